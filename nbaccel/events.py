@@ -1,0 +1,98 @@
+"""The messages ranks send to the kernel, and the worker-side channel that sends them.
+
+Events flow one way, worker -> kernel, each pickled on its own over a pipe that belongs to one
+rank. Output does not travel here: stdout/stderr go through their own per-rank pipes at the file
+descriptor level, so C libraries' writes and crashes are caught too.
+
+Worker code never imports this directly; ``nbaccel.progress`` and ``Accelerator.log`` call
+:func:`emit`, which is a no-op outside a launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+from typing import Any
+
+
+@dataclasses.dataclass
+class Started:
+    rank: int
+    pid: int
+
+
+@dataclasses.dataclass
+class Progress:
+    rank: int
+    bar_id: int
+    n: int
+    total: int | None
+    desc: str | None
+    elapsed: float
+    closed: bool = False
+    unit_scale: float | None = None  # samples per step, where the caller knows it
+
+
+@dataclasses.dataclass
+class Metrics:
+    rank: int
+    step: int | None
+    values: dict[str, float]
+
+
+@dataclasses.dataclass
+class Result:
+    rank: int
+    payload: bytes | None  # cloudpickled return value; None when the kernel did not ask for it
+
+
+@dataclasses.dataclass
+class Failure:
+    rank: int
+    exc_type: str  # qualified name, e.g. "builtins.ValueError"
+    message: str
+    traceback: str  # formatted, user frames only
+    exception: bytes | None  # the pickled exception, when it pickles
+
+
+Event = Started | Progress | Metrics | Result | Failure
+
+
+class _Channel:
+    """The sending end of one rank's event pipe; thread-safe, used only inside a rank."""
+
+    def __init__(self, connection: Any, rank: int) -> None:
+        self._conn = connection
+        self._lock = threading.Lock()
+        self.rank = rank
+
+    def send(self, event: Event) -> None:
+        data = pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._conn.send_bytes(data)
+
+
+_channel: _Channel | None = None
+
+
+def install_channel(connection: Any, rank: int) -> None:
+    global _channel
+    _channel = _Channel(connection, rank)
+
+
+def current_rank() -> int | None:
+    """The rank this process runs as under a notebook launch, else ``None``."""
+    return _channel.rank if _channel is not None else None
+
+
+def emit(event: Event) -> bool:
+    """Send ``event`` to the kernel if this process is a launched rank; report whether it was sent."""
+    channel = _channel
+    if channel is None:
+        return False
+    try:
+        channel.send(event)
+    except (BrokenPipeError, OSError):
+        return False  # the kernel has gone; the rank is about to be stopped anyway
+    return True

@@ -1,0 +1,95 @@
+"""The final per-rank table of a launch, as plain text and as static HTML.
+
+Both views end with it, so a saved notebook, nbconvert or GitHub's renderer still shows what
+happened after the live widgets are gone.
+"""
+
+from __future__ import annotations
+
+import html
+
+from nbaccel.launch_state import LaunchState, RankState
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_metrics(metrics: dict[str, float], limit: int = 4) -> str:
+    items = list(metrics.items())[:limit]
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
+
+
+def format_progress(rank: RankState) -> str:
+    bar = rank.bar
+    if bar is None:
+        return "-"
+    total = f"/{bar.total}" if bar.total is not None else ""
+    desc = f"{bar.desc}: " if bar.desc else ""
+    rate = f" {bar.rate:.1f} it/s" if bar.rate else ""
+    return f"{desc}{bar.n}{total}{rate}"
+
+
+def _rows(state: LaunchState) -> list[list[str]]:
+    rows = []
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        status = rank.status + (f" ({rank.error_line})" if rank.error_line else "")
+        rows.append(
+            [
+                str(rank.rank),
+                status,
+                format_progress(rank),
+                format_seconds(rank.elapsed),
+                format_metrics(rank.metrics) or "-",
+            ]
+        )
+    return rows
+
+
+HEADER = ["rank", "status", "progress", "elapsed", "metrics"]
+
+
+def headline(state: LaunchState) -> str:
+    outcome = state.outcome or "running"
+    return f"nbaccel: {state.info.describe()} — {outcome} after {format_seconds(state.elapsed)}"
+
+
+def summary_text(state: LaunchState) -> str:
+    rows = [HEADER, *_rows(state)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = [headline(state)]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+STATUS_COLOURS = {
+    "finished": "#1a7f37",
+    "failed": "#cf222e",
+    "stopped": "#9a6700",
+    "running": "#0969da",
+    "starting": "#57606a",
+}
+
+
+def summary_html(state: LaunchState) -> str:
+    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>" for h in HEADER)
+    body = []
+    for cells, rank in zip(_rows(state), sorted(state.ranks.values(), key=lambda r: r.rank)):
+        colour = STATUS_COLOURS.get(rank.status, "inherit")
+        tds = "".join(
+            f"<td style='padding:2px 10px;{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
+            for i, c in enumerate(cells)
+        )
+        body.append(
+            f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}'>{tds}</tr>"
+        )
+    return (
+        f"<div class='nbaccel-summary'><div style='font-weight:600'>{html.escape(headline(state))}</div>"
+        f"<table style='border-collapse:collapse;font-family:monospace'><tr>{head}</tr>{''.join(body)}</table></div>"
+    )
