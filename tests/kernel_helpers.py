@@ -1,0 +1,151 @@
+"""Drive a real ipykernel through jupyter_client and record what a notebook would render.
+
+Example::
+
+    with KernelSession() as kernel:
+        cell = kernel.execute("print(1 + 1)")
+        assert cell.stdout == "2\\n"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import time
+from typing import Any
+
+import psutil
+from jupyter_client.manager import KernelManager
+
+from tests.conftest import LONG_LIVED
+
+
+@dataclasses.dataclass
+class Cell:
+    """Everything the kernel published on iopub for one executed cell, in arrival order."""
+
+    messages: list[dict[str, Any]]
+    reply: dict[str, Any]
+
+    def _streams(self, name: str) -> str:
+        return "".join(
+            m["content"]["text"] for m in self.messages
+            if m["msg_type"] == "stream" and m["content"]["name"] == name
+        )
+
+    @property
+    def stdout(self) -> str:
+        return self._streams("stdout")
+
+    @property
+    def stderr(self) -> str:
+        return self._streams("stderr")
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """The ``error`` message content (ename, evalue, traceback), if the cell raised."""
+        return next((m["content"] for m in self.messages if m["msg_type"] == "error"), None)
+
+    @property
+    def error_text(self) -> str:
+        """The error as the notebook shows it, without ANSI colour codes."""
+        import re
+
+        err = self.error
+        if err is None:
+            return ""
+        return re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(err["traceback"]))
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """``data`` bundles of execute_result and display_data messages."""
+        return [
+            m["content"]["data"] for m in self.messages
+            if m["msg_type"] in ("execute_result", "display_data")
+        ]
+
+    def of_type(self, *types: str) -> list[dict[str, Any]]:
+        return [m for m in self.messages if m["msg_type"] in types]
+
+
+class KernelSession:
+    """A real ipykernel for one test module; its pid is exempt from the leftover check, and
+    :meth:`leftovers` lists what the kernel itself left running."""
+
+    def __init__(self, env: dict[str, str] | None = None, startup: str | None = None) -> None:
+        self.manager = KernelManager(kernel_name="python3")
+        self._env = env or {}
+        self._startup = startup
+        self.client = None
+
+    def __enter__(self) -> KernelSession:
+        env = {**os.environ, **self._env}
+        env.pop("NBACCEL_NO_WARMUP", None)  # the kernel behaves as a user's would
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
+        self.manager.start_kernel(env=env)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+        LONG_LIVED.add(self.pid)
+        if self._startup:
+            cell = self.execute(self._startup)
+            assert cell.error is None, cell.error_text
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pid = self.pid
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=False)
+        LONG_LIVED.discard(pid)
+
+    @property
+    def pid(self) -> int:
+        return self.manager.provisioner.process.pid
+
+    def execute(self, code: str, timeout: float = 180, on_message=None) -> Cell:
+        """Run ``code`` as a cell; return once the kernel is idle again for it.
+
+        ``on_message(msg)`` sees each iopub message as it arrives (e.g. to interrupt the kernel
+        once some output has appeared).
+        """
+        msg_id = self.client.execute(code)
+        deadline = time.monotonic() + timeout
+        messages = []
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"cell did not finish in {timeout} s:\n{code}")
+            try:
+                msg = self.client.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            msg["received_at"] = time.monotonic()
+            if msg["msg_type"] == "status":
+                if msg["content"]["execution_state"] == "idle":
+                    break
+                continue
+            messages.append(msg)
+            if on_message is not None:
+                on_message(msg)
+        reply = self.client.get_shell_msg(timeout=timeout)
+        return Cell(messages, reply["content"])
+
+    def interrupt(self) -> None:
+        self.manager.interrupt_kernel()
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes below the kernel other than nbaccel's fork server and resource tracker
+        (and zombies), asked of the kernel itself."""
+        cell = self.execute(
+            "import psutil as _p, nbaccel.processes as _np\n"
+            "_h = _np.helper_pids()\n"
+            "_left = [c.pid for c in _p.Process().children(recursive=True)\n"
+            "         if c.pid not in _h and c.status() != _p.STATUS_ZOMBIE]\n"
+            "print(_left)"
+        )
+        assert cell.error is None, cell.error_text
+        pids = eval(cell.stdout.strip() or "[]")  # a list of ints printed by the kernel
+        return [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
