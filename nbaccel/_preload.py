@@ -15,6 +15,7 @@ for _name in (
     "torch._dynamo",
     "cloudpickle",
     "nbaccel._worker",
+    "nbaccel.progress",
 ):
     try:
         importlib.import_module(_name)

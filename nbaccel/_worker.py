@@ -197,6 +197,18 @@ def _report_failure(exc: BaseException, rank: int) -> None:
     )
 
 
+def _install_progress_hooks() -> None:
+    """Let tqdm bars in the user's code report as this rank's progress (opt out: NBACCEL_TQDM=0)."""
+    try:
+        from nbaccel.progress import install_worker_hooks
+    except ImportError:  # progress reporting is optional; output still flows
+        return
+    try:
+        install_worker_hooks()
+    except Exception as exc:  # noqa: BLE001 - never let reporting break training
+        print(f"nbaccel: progress hooks not installed: {exc}", file=sys.stderr)
+
+
 def _destroy_process_group() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
@@ -222,6 +234,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     _set_thread_count(spec)
     _pickling.install_sources(spec.sources)
     events.install_channel(events_w, spec.rank)
+    _install_progress_hooks()
     events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
 
     code = 0

@@ -138,7 +138,11 @@ def notebook_launcher(
     group = RankGroup(specs, method)
     chosen_view = view if view is not None else choose_view(progress)
     group.start()
-    payloads = Relay(group, state, chosen_view, timeout).run()
+    try:
+        payloads = Relay(group, state, chosen_view, timeout).run()
+    except KeyboardInterrupt:
+        # Every rank is stopped and reaped by now; the relay's frames would only be noise.
+        raise KeyboardInterrupt(f"launch interrupted; all {nprocs} ranks were stopped") from None
     if return_all:
         return [load_payload(s.rank, payloads.get(s.rank)) for s in specs]
     return load_payload(0, payloads.get(0)) if node_rank == 0 else None

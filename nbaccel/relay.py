@@ -219,6 +219,8 @@ class Relay:
     def _on_exit(self, r: RankProcess) -> None:
         self._unregister(r.sentinel)
         self._drain(r)
+        # The sentinel can fire a moment before the exit status is collectable (fork/spawn).
+        r.process.join(timeout=30)
         code = r.exitcode()
         rank = self.state.ranks[r.rank]
         rank.exitcode, rank.ended_at = code, time.monotonic()

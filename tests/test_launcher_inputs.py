@@ -1,0 +1,96 @@
+"""Bad input to notebook_launcher gets a clear error and starts nothing."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import psutil
+import pytest
+
+import nbaccel
+
+
+def noop():
+    return None
+
+
+def children_now() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.fixture
+def starts_nothing():
+    before = children_now()
+    yield
+    assert children_now() <= before, "a rejected launch started processes"
+
+
+@pytest.mark.usefixtures("starts_nothing")
+class TestRejectedBeforeStarting:
+    def test_num_processes_below_one(self):
+        with pytest.raises(ValueError, match="num_processes must be at least 1, got 0"):
+            nbaccel.notebook_launcher(noop, num_processes=0)
+
+    def test_num_processes_not_an_int(self):
+        with pytest.raises(TypeError, match="num_processes must be an integer"):
+            nbaccel.notebook_launcher(noop, num_processes="2")
+
+    def test_function_not_callable(self):
+        with pytest.raises(TypeError, match="function must be callable.*got int"):
+            nbaccel.notebook_launcher(42, num_processes=1)
+
+    def test_unpicklable_argument_is_named(self):
+        lock = threading.Lock()
+        with pytest.raises(TypeError, match=r"args\[1\] \(lock\) cannot be sent to the ranks"):
+            nbaccel.notebook_launcher(noop, args=(1, lock), num_processes=1)
+
+    def test_unpicklable_global_of_the_function(self):
+        lock = threading.Lock()
+
+        def uses_lock():
+            return lock.locked()
+
+        with pytest.raises(TypeError, match="the function .*uses_lock cannot be sent"):
+            nbaccel.notebook_launcher(uses_lock, num_processes=1)
+
+    def test_unknown_mixed_precision_lists_choices(self):
+        with pytest.raises(ValueError, match="'fp4'.*'no', 'fp16', 'bf16', 'fp8'"):
+            nbaccel.notebook_launcher(noop, num_processes=1, mixed_precision="fp4")
+
+    def test_unknown_start_method_lists_choices(self):
+        with pytest.raises(ValueError, match="start_method='vfork'.*'forkserver'"):
+            nbaccel.notebook_launcher(noop, num_processes=1, start_method="vfork")
+
+    def test_fp8_without_a_gpu(self):
+        with pytest.raises(ValueError, match="fp8.*use 'bf16' on CPU"):
+            nbaccel.notebook_launcher(noop, num_processes=1, mixed_precision="fp8")
+
+    def test_port_already_in_use(self):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is not available"):
+                nbaccel.notebook_launcher(noop, num_processes=1, use_port=port)
+
+    def test_bad_port_value(self):
+        with pytest.raises(ValueError, match="use_port must be 'auto' or a port number"):
+            nbaccel.notebook_launcher(noop, num_processes=1, use_port="http")
+
+    def test_auto_port_across_machines(self):
+        with pytest.raises(ValueError, match="same port"):
+            nbaccel.notebook_launcher(noop, num_processes=1, num_nodes=2, node_rank=1)
+
+    def test_args_must_be_a_sequence(self):
+        with pytest.raises(TypeError, match="args must be a tuple or list"):
+            nbaccel.notebook_launcher(noop, args="abc", num_processes=1)
+
+    def test_timeout_must_be_positive(self):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            nbaccel.notebook_launcher(noop, num_processes=1, timeout=0)
+
+
+def test_num_processes_none_without_gpu_warns_and_uses_one():
+    with pytest.warns(UserWarning, match="pass num_processes explicitly"):
+        assert nbaccel.notebook_launcher(noop, num_processes=None) is None

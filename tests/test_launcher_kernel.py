@@ -1,0 +1,131 @@
+"""What a notebook user sees: notebook_launcher run inside a real ipykernel via jupyter_client.
+
+Functions are defined in cells, so they travel by value, exactly as in a notebook.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.kernel_helpers import KernelSession
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
+        yield k
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_in_kernel(kernel):
+    yield
+    assert kernel.leftovers() == [], "the kernel still has rank processes"
+
+
+def cell(code: str) -> str:
+    return textwrap.dedent(code).strip()
+
+
+def test_lines_arrive_while_ranks_run_and_result_comes_back(kernel, tmp_path):
+    """Rank 0 blocks until the test has seen its first line on iopub: if output were only
+    delivered at the end, this cell could never finish."""
+    gate = tmp_path / "seen-first-line"
+    code = cell(f"""
+        def train(gate):
+            import torch, torch.distributed as dist
+            dist.init_process_group("gloo")
+            print(f"first line from {{dist.get_rank()}}", flush=True)
+            if dist.get_rank() == 0:
+                while not os.path.exists(gate):
+                    time.sleep(0.01)
+            dist.barrier()
+            total = torch.tensor([dist.get_rank() + 1.0])
+            dist.all_reduce(total)
+            return total.item()
+
+        nbaccel.notebook_launcher(train, args=({str(gate)!r},), num_processes=2, timeout=120)
+    """)
+
+    def open_gate(msg):
+        if msg["msg_type"] == "stream" and "[rank0] first line from 0" in msg["content"]["text"]:
+            gate.touch()
+
+    result = kernel.execute(code, on_message=open_gate)
+    assert result.error is None, result.error_text
+    assert gate.exists()
+    assert "[rank1] first line from 1" in result.stdout
+    assert result.results[-1]["text/plain"] == "3.0"
+
+
+def test_failing_rank_shows_rank_type_message_and_user_code(kernel):
+    result = kernel.execute(cell("""
+        def train():
+            rank = int(os.environ["RANK"])
+            if rank == 1:
+                values = {"lr": 0.1}
+                return values["learning_rate"]   # the user's bug
+            time.sleep(600)
+
+        nbaccel.notebook_launcher(train, num_processes=2)
+    """))
+    assert result.error is not None
+    assert result.error["ename"] == "RankFailedError"
+    text = result.error_text
+    assert "rank 1 (of 2) raised KeyError: 'learning_rate'" in text
+    assert 'return values["learning_rate"]   # the user\'s bug' in text
+    assert "in train" in text
+
+
+def test_interrupt_stops_every_rank_and_raises_keyboardinterrupt_once(kernel):
+    code = cell("""
+        def train():
+            print("training", flush=True)
+            time.sleep(600)
+
+        nbaccel.notebook_launcher(train, num_processes=2)
+    """)
+    seen = set()
+
+    def interrupt_when_both_run(msg):
+        if msg["msg_type"] == "stream":
+            for rank in (0, 1):
+                if f"[rank{rank}] training" in msg["content"]["text"]:
+                    seen.add(rank)
+            if seen == {0, 1} and "sent" not in seen:
+                seen.add("sent")
+                kernel.interrupt()
+
+    result = kernel.execute(code, on_message=interrupt_when_both_run, timeout=120)
+    assert result.error is not None and result.error["ename"] == "KeyboardInterrupt"
+    assert result.error_text.count("Traceback") == 1
+    assert "all 2 ranks were stopped" in result.error["evalue"]
+    assert "KeyboardInterrupt" not in result.stdout + result.stderr  # none from the ranks
+    assert "stopped" in result.stdout  # the final summary marks the ranks as stopped
+
+    after = kernel.execute("print(1 + 1)")
+    assert after.stdout == "2\n"
+
+
+def test_launch_after_interrupt_and_failure_works(kernel):
+    result = kernel.execute(cell("""
+        def train():
+            return int(os.environ["RANK"]) * 10
+
+        nbaccel.notebook_launcher(train, num_processes=2, return_all=True)
+    """))
+    assert result.error is None, result.error_text
+    assert result.results[-1]["text/plain"] == "[0, 10]"
+
+
+def test_cuda_free_kernel_class_and_global_from_earlier_cells(kernel):
+    kernel.execute("SCALE = 7\nclass Box:\n    def __init__(self, v): self.v = v")
+    result = kernel.execute(cell("""
+        def train():
+            return Box(SCALE * (int(os.environ["RANK"]) + 1))
+
+        [b.v for b in nbaccel.notebook_launcher(train, num_processes=2, return_all=True)]
+    """))
+    assert result.error is None, result.error_text
+    assert result.results[-1]["text/plain"] == "[7, 14]"

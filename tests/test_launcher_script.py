@@ -1,0 +1,92 @@
+"""notebook_launcher from a plain ``python script.py``, and what happens when the launcher dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(path, timeout=180):
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_plain_script_with_main_guard(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import nbaccel
+
+        def train(base):
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            print("hello from", dist.get_rank())
+            return base + dist.get_world_size()
+
+        if __name__ == "__main__":
+            print("RESULT", nbaccel.notebook_launcher(train, args=(40,), num_processes=2))
+    """))
+    done = run_script(script)
+    assert done.returncode == 0, done.stderr
+    assert "[rank0] hello from 0" in done.stdout
+    assert "[rank1] hello from 1" in done.stdout
+    assert "RESULT 42" in done.stdout
+
+
+def test_failing_script_exits_nonzero_naming_the_rank(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(textwrap.dedent("""
+        import os, nbaccel
+
+        def train():
+            if os.environ["RANK"] == "1":
+                raise RuntimeError("out of data")
+
+        if __name__ == "__main__":
+            nbaccel.notebook_launcher(train, num_processes=2)
+    """))
+    done = run_script(script)
+    assert done.returncode == 1
+    assert "rank 1 (of 2) raised RuntimeError: out of data" in done.stderr
+    assert 'raise RuntimeError("out of data")' in done.stderr
+
+
+def test_ranks_die_with_the_launching_process(tmp_path):
+    """SIGKILL the process that launched (as if the kernel died): no rank may survive it."""
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent("""
+        import os, time, nbaccel
+
+        def train():
+            print("rank pid", os.getpid(), flush=True)
+            time.sleep(600)
+
+        if __name__ == "__main__":
+            nbaccel.notebook_launcher(train, num_processes=2)
+    """))
+    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    rank_pids = []
+    try:
+        for line in launcher.stdout:
+            if "rank pid" in line:
+                rank_pids.append(int(line.split()[-1]))
+            if len(rank_pids) == 2:
+                break
+        server = [c for c in psutil.Process(launcher.pid).children(recursive=True) if c.pid not in rank_pids]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.stdout.close()
+    ranks = [psutil.Process(p) for p in rank_pids if psutil.pid_exists(p)]
+    gone, alive = psutil.wait_procs(ranks + server, timeout=30)
+    assert not alive, f"still running after the launcher died: {alive}"
+    assert len(rank_pids) == 2
