@@ -90,3 +90,35 @@ def test_ranks_die_with_the_launching_process(tmp_path):
     gone, alive = psutil.wait_procs(ranks + server, timeout=30)
     assert not alive, f"still running after the launcher died: {alive}"
     assert len(rank_pids) == 2
+
+
+def test_two_nodes_on_one_host_form_one_world(tmp_path):
+    """Two launching processes, one rank each, node_rank 0 and 1, meet on an explicit port."""
+    from nbaccel.launcher import free_port
+
+    port = free_port()
+    script = tmp_path / "node.py"
+    script.write_text(textwrap.dedent("""
+        import sys, nbaccel
+
+        def train():
+            import torch, torch.distributed as dist
+            dist.init_process_group("gloo")
+            value = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(value)
+            return (dist.get_rank(), dist.get_world_size(), value.item())
+
+        if __name__ == "__main__":
+            node = int(sys.argv[1])
+            result = nbaccel.notebook_launcher(train, num_processes=1, num_nodes=2, node_rank=node,
+                                               use_port=int(sys.argv[2]), timeout=120, return_all=True)
+            print("RESULT", result)
+    """))
+    env = {**os.environ, "PYTHONPATH": REPO, "GLOO_SOCKET_IFNAME": "lo"}
+    nodes = [subprocess.Popen([sys.executable, str(script), str(n), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    outputs = [n.communicate(timeout=180) for n in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err
+    assert "RESULT [(0, 2, 3.0)]" in outputs[0][0]
+    assert "RESULT [(1, 2, 3.0)]" in outputs[1][0]
