@@ -11,14 +11,19 @@ Errors meant for people (a bad flag value, a malformed config file) are printed 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from nbaccel.config import (
     MIXED_PRECISION_CHOICES,
     RDZV_BACKEND_CHOICES,
     STRATEGY_CHOICES,
     ConfigError,
+    LaunchConfig,
+    default_config_path,
 )
 
 
@@ -65,13 +70,113 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    from nbaccel import cli_config
-
+    path = Path(args.config_file) if args.config_file else default_config_path()
     if args.show:
-        return cli_config.show(args.config_file)
+        LaunchConfig.load(path)  # validates: errors name the file, line and key
+        print(f"# {path}")
+        print(path.read_text(encoding="utf-8"), end="")
+        return 0
     if args.default:
-        return cli_config.write_defaults(args.config_file)
-    return cli_config.interactive(args.config_file)
+        existed = path.exists()
+        target = detected_defaults().save(path)
+        print(f"{'replaced' if existed else 'wrote'} {target} with detected defaults")
+        return 0
+    return _ask_and_write(path)
+
+
+def detected_defaults() -> LaunchConfig:
+    """What ``nbaccel config --default`` writes: one process per GPU, else one on CPU."""
+    from nbaccel import hardware
+
+    return LaunchConfig(num_processes=hardware.detect().gpu_count or 1)
+
+
+def _ask(question: str, default: Any, parse: Callable[[str], Any]) -> Any:
+    """Ask until the answer parses; Enter keeps ``default``. End of input stops cleanly."""
+    while True:
+        try:
+            answer = input(f"{question} [{default}]: ").strip()
+        except EOFError:
+            raise UsageError(
+                "input ended before every question was answered; nothing was written. "
+                "Use `nbaccel config --default` for a config without questions."
+            ) from None
+        if not answer:
+            return default
+        try:
+            return parse(answer)
+        except (ValueError, ConfigError) as exc:
+            print(f"  {exc}")
+
+
+def _integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a whole number.") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            upper = f" and at most {maximum}" if maximum is not None else ""
+            raise ValueError(f"enter a number at least {minimum}{upper}.")
+        return value
+
+    return parse
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise ValueError(f"choose one of {', '.join(choices)}.")
+        return text.lower()
+
+    return parse
+
+
+def _ask_and_write(path: Path) -> int:
+    """The interactive questions; the existing file's values (else detected ones) are defaults."""
+    from nbaccel import hardware
+
+    current = LaunchConfig.load(path) if path.exists() else detected_defaults()
+    print(f"nbaccel config: this machine has {hardware.detect().describe()}.")
+    print(f"Press Enter to keep the value in brackets. The answers go to {path}.")
+    machines = _ask("How many machines take part?", current.num_machines, _integer(1))
+    values: dict[str, Any] = {"num_machines": machines}
+    if machines > 1:
+        values["machine_rank"] = _ask(
+            "Rank of this machine (0 is the main one)?",
+            min(current.machine_rank, machines - 1),
+            _integer(0, machines - 1),
+        )
+        values["main_process_ip"] = _ask(
+            "Address of the main machine?", current.main_process_ip, str
+        )
+        values["main_process_port"] = _ask(
+            "Port on the main machine?", current.main_process_port or 29500, _integer(1, 65535)
+        )
+        values["rdzv_backend"] = _ask(
+            f"Rendezvous backend ({'/'.join(RDZV_BACKEND_CHOICES)})?",
+            current.rdzv_backend,
+            _choice(RDZV_BACKEND_CHOICES),
+        )
+    else:
+        values.update(machine_rank=0, main_process_port=None)
+    values["num_processes"] = _ask(
+        "How many processes on this machine?", current.num_processes or 1, _integer(1)
+    )
+    values["mixed_precision"] = _ask(
+        f"Mixed precision ({'/'.join(MIXED_PRECISION_CHOICES)})?",
+        current.mixed_precision,
+        _choice(MIXED_PRECISION_CHOICES),
+    )
+    values["strategy"] = _ask(
+        f"Strategy ({'/'.join(STRATEGY_CHOICES)})?", current.strategy, _choice(STRATEGY_CHOICES)
+    )
+    values["gradient_accumulation_steps"] = _ask(
+        "Gradient accumulation steps?", current.gradient_accumulation_steps, _integer(1)
+    )
+    cfg = dataclasses.replace(current, **values)  # validates the whole config again
+    print(f"wrote {cfg.save(path)}")
+    return 0
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,90 @@
+"""``nbaccel config``: questions answered through stdin, --default, --show, bad files."""
+
+from __future__ import annotations
+
+import nbaccel
+from nbaccel.config import LaunchConfig
+from tests.test_cli_support import run_cli
+
+
+def test_interactive_answers_are_written(tmp_path):
+    target = tmp_path / "cfg.yaml"
+    # machines, processes, precision, strategy (Enter = default), accumulation
+    answers = "1\n3\nbf16\n\n4\n"
+    result = run_cli("config", "--config_file", str(target), cwd=tmp_path, stdin=answers)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "How many processes on this machine? [1]" in result.stdout
+    cfg = LaunchConfig.load(target)
+    assert (cfg.num_processes, cfg.mixed_precision, cfg.strategy) == (3, "bf16", "ddp")
+    assert cfg.gradient_accumulation_steps == 4
+
+
+def test_interactive_reasks_bad_answers_and_uses_the_shared_file(tmp_path):
+    shared = tmp_path / "shared.yaml"
+    LaunchConfig(num_processes=2, strategy="fsdp").save(shared)
+    # 2 machines, rank 7 (refused) then 1, ip, port, backend, procs, precision "half"
+    # (refused) then fp16, strategy kept, accumulation kept.
+    answers = "2\n7\n1\n10.0.0.1\n29501\nc10d\n\nhalf\nfp16\n\n\n"
+    result = run_cli("config", cwd=tmp_path, stdin=answers, NBACCEL_CONFIG_FILE=str(shared))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "at most 1" in result.stdout and "choose one of no, fp16, bf16, fp8" in result.stdout
+    cfg = LaunchConfig.load(shared)
+    assert cfg == LaunchConfig(
+        num_processes=2,
+        mixed_precision="fp16",
+        strategy="fsdp",
+        num_machines=2,
+        machine_rank=1,
+        main_process_ip="10.0.0.1",
+        main_process_port=29501,
+        rdzv_backend="c10d",
+    )
+
+
+def test_input_ending_early_writes_nothing(tmp_path):
+    target = tmp_path / "cfg.yaml"
+    result = run_cli("config", "--config_file", str(target), cwd=tmp_path, stdin="1\n")
+    assert result.returncode == 2
+    assert "nothing was written" in result.stderr
+    assert not target.exists()
+
+
+def test_default_and_show(tmp_path):
+    target = tmp_path / "sub" / "cfg.yaml"
+    result = run_cli("config", "--default", "--config_file", str(target), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    expected = nbaccel.hardware.detect().gpu_count or 1
+    assert LaunchConfig.load(target).num_processes == expected
+    shown = run_cli("config", "--show", "--config_file", str(target), cwd=tmp_path)
+    assert shown.returncode == 0
+    assert f"num_processes: {expected}" in shown.stdout
+    assert shown.stdout.startswith(f"# {target}")
+
+
+def test_malformed_files_name_file_line_and_key(tmp_path):
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("num_processes: 2\nmixed_precison: bf16\n")
+    bad_value = tmp_path / "value.yaml"
+    bad_value.write_text("num_processes: 2\nstrategy: zero3\n")
+    not_yaml = tmp_path / "broken.yaml"
+    not_yaml.write_text("num_processes: 2\n  strategy: [ddp\n")
+    for path, expected in [
+        (unknown, f"{unknown}, line 2: unknown key 'mixed_precison'"),
+        (bad_value, f"{bad_value}, line 2, key 'strategy'"),
+        (not_yaml, f"{not_yaml}, line "),
+    ]:
+        shown = run_cli("config", "--show", "--config_file", str(path), cwd=tmp_path)
+        assert shown.returncode == 2
+        assert expected in shown.stderr
+        assert "Traceback" not in shown.stderr
+        # The interactive mode refuses too, rather than overwrite the user's file.
+        before = path.read_text()
+        asked = run_cli("config", "--config_file", str(path), cwd=tmp_path, stdin="\n" * 8)
+        assert asked.returncode == 2 and expected in asked.stderr
+        assert path.read_text() == before
+
+
+def test_show_without_a_file_says_how_to_make_one(tmp_path):
+    result = run_cli("config", "--show", "--config_file", str(tmp_path / "none.yaml"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "nbaccel config" in result.stderr
