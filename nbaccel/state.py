@@ -1,0 +1,138 @@
+"""Where this process stands: rank, world, device and backend, and the process group behind them.
+
+One job: read what the launcher (``notebook_launcher``, ``nbaccel launch``, torchrun) put in the
+environment, pick the device and backend (gloo on CPU, NCCL with one GPU per local rank), and
+start the process group once. Running in the kernel with no launcher means one process and no
+process group at all.
+
+>>> state = detect_state(cpu=True)
+>>> (state.process_index, state.num_processes, state.backend)
+(0, 1, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class DistributedType(str, enum.Enum):
+    """How the processes work together (Accelerate's names)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessState:
+    """The facts about this process that every other module asks for."""
+
+    process_index: int
+    local_process_index: int
+    num_processes: int
+    local_num_processes: int
+    device: torch.device
+    backend: str | None  # None when there is only one process
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.num_processes > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(
+            f"environment variable {name}={value!r} is not an integer; it is set by the "
+            "launcher, so start the script with notebook_launcher, `nbaccel launch` or torchrun."
+        ) from None
+
+
+def detect_state(cpu: bool = False) -> ProcessState:
+    """Read rank and world from the environment, choose the device, start the process group.
+
+    ``cpu=True`` forces the CPU (and gloo) even where GPUs are visible.
+
+    Example::
+
+        state = detect_state()        # under torchrun --nproc_per_node 2: rank 0 or 1, gloo/nccl
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    use_cuda = not cpu and torch.cuda.is_available()
+    if use_cuda:
+        count = torch.cuda.device_count()
+        if local_world > count:
+            raise RuntimeError(
+                f"{local_world} processes on this machine but only {count} GPU(s) are visible; "
+                "CUDA runs one process per GPU. Start fewer processes, or pass "
+                "Accelerator(cpu=True) to train on the CPU."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = None
+    if world > 1:
+        backend = "nccl" if use_cuda else "gloo"
+        _init_process_group(backend, rank, world, device)
+    return ProcessState(rank, local_rank, world, local_world, device, backend)
+
+
+def _init_process_group(backend: str, rank: int, world: int, device: torch.device) -> None:
+    if dist.is_initialized():
+        current = dist.get_backend()
+        if backend not in str(current):
+            raise RuntimeError(
+                f"a process group with backend {current!r} already exists, but this Accelerator "
+                f"needs {backend!r} (device {device}). Create the Accelerator before calling "
+                "torch.distributed.init_process_group yourself, or use the same backend."
+            )
+        return
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise RuntimeError(
+                f"WORLD_SIZE={world} but {name} is not set, so the processes cannot find each "
+                "other. Start them with notebook_launcher, `nbaccel launch` or torchrun."
+            )
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=30),
+        **kwargs,
+    )
+
+
+@dataclasses.dataclass
+class GradientState:
+    """Whether this micro-step ends with an optimizer step; shared by the prepared objects."""
+
+    accumulation_steps: int = 1
+    sync_gradients: bool = True
+    micro_step: int = 0  # micro-steps taken inside accumulate(), counted from the start
+    at_loader_end: bool = False  # the active dataloader is yielding its last batch
+    remainder: int | None = None  # real samples in that last batch over all ranks, if padded
+    optimizer_step_was_skipped: bool = False
