@@ -32,8 +32,16 @@ def format_progress(rank: RankState) -> str:
         return "-"
     total = f"/{bar.total}" if bar.total is not None else ""
     desc = f"{bar.desc}: " if bar.desc else ""
-    rate = f" {bar.rate:.1f} it/s" if bar.rate else ""
-    return f"{desc}{bar.n}{total}{rate}"
+    return f"{desc}{bar.n}{total}{format_rate(rank)}"
+
+
+def format_rate(rank: RankState) -> str:
+    """`` 12.3 it/s`` (and samples/s where the bar knows its batch size), or ""."""
+    bar = rank.bar
+    if bar is None or not bar.rate:
+        return ""
+    samples = f", {bar.rate * bar.unit_scale:.1f} samples/s" if bar.unit_scale else ""
+    return f" {bar.rate:.1f} it/s{samples}"
 
 
 def _rows(state: LaunchState) -> list[list[str]]:
@@ -60,12 +68,20 @@ def headline(state: LaunchState) -> str:
     return f"nbaccel: {state.info.describe()} — {outcome} after {format_seconds(state.elapsed)}"
 
 
-def summary_text(state: LaunchState) -> str:
+def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None) -> str:
+    """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too."""
     rows = [HEADER, *_rows(state)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = [headline(state)]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for rank, tail in sorted((outputs or {}).items()):
+        if tail:
+            lines.append(f"-- rank {rank} output (last {min(len(tail), TEXT_TAIL)} lines) --")
+            lines += [f"[rank{rank}] {line}" for line in tail[-TEXT_TAIL:]]
     return "\n".join(lines)
+
+
+TEXT_TAIL = 20  # output lines per rank in the plain-text summary
 
 
 STATUS_COLOURS = {
@@ -77,7 +93,11 @@ STATUS_COLOURS = {
 }
 
 
-def summary_html(state: LaunchState) -> str:
+def summary_html(
+    state: LaunchState, outputs: dict[int, list[str]] | None = None, charts: bool = False
+) -> str:
+    """The table as static HTML; optionally the metric charts (SVG) and each rank's output in a
+    collapsed ``<details>``, so a saved notebook keeps what the live dashboard showed."""
     head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>" for h in HEADER)
     body = []
     for cells, rank in zip(_rows(state), sorted(state.ranks.values(), key=lambda r: r.rank)):
@@ -89,7 +109,20 @@ def summary_html(state: LaunchState) -> str:
         body.append(
             f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}'>{tds}</tr>"
         )
+    extra = ""
+    if charts:
+        from nbaccel.ui.chart import metrics_charts
+
+        extra += metrics_charts({r.rank: r.history for r in state.ranks.values()})
+    for rank, tail in sorted((outputs or {}).items()):
+        if tail:
+            extra += (
+                f"<details class='nbaccel-output' data-rank='{rank}'><summary>rank {rank} output "
+                f"({len(tail)} lines)</summary><pre style='max-height:20em;overflow:auto'>"
+                f"{html.escape(chr(10).join(tail))}</pre></details>"
+            )
     return (
         f"<div class='nbaccel-summary'><div style='font-weight:600'>{html.escape(headline(state))}</div>"
-        f"<table style='border-collapse:collapse;font-family:monospace'><tr>{head}</tr>{''.join(body)}</table></div>"
+        f"<table style='border-collapse:collapse;font-family:monospace'><tr>{head}</tr>{''.join(body)}</table>"
+        f"{extra}</div>"
     )

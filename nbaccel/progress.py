@@ -1,0 +1,414 @@
+"""Worker-side progress bars and metric logging: events under a launch, plain output elsewhere.
+
+``progress()`` wraps an iterable (or is used as a context manager with ``.update(n)``, like tqdm);
+under ``notebook_launcher`` it sends ``events.Progress`` to the kernel, at most ~10 times a second
+per bar and always once more on close. ``log()`` sends ``events.Metrics``. Neither ever blocks the
+training loop on a slow kernel: an intermediate update is skipped, and logged metrics are held back,
+while the event pipe is full. :func:`install_worker_hooks` makes tqdm bars in a rank report the same
+way, without code changes (``NBACCEL_TQDM=0`` turns that off).
+
+This module runs in the ranks: it never imports IPython, ipywidgets or the views.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import itertools
+import math
+import os
+import select
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from nbaccel import events
+
+EMIT_INTERVAL = 0.1  # seconds between progress events of one bar (the final state always goes)
+TEXT_INTERVAL = 0.1  # seconds between redraws of the plain-text bar outside a launch
+_MAX_BACKLOG = 10_000  # logged metrics held while the kernel is behind; the oldest go first
+
+_bar_ids = itertools.count()
+_backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
+
+
+def _pipe_has_room() -> bool:
+    """Whether a small event can be written now without waiting for the kernel to read.
+
+    A pipe polls writable while at least PIPE_BUF bytes are free, and events are smaller.
+    """
+    channel = events._channel
+    conn = getattr(channel, "_conn", None)
+    if conn is None:
+        return True
+    try:
+        return bool(select.select([], [conn.fileno()], [], 0)[1])
+    except (OSError, ValueError):
+        return True  # let emit() find out and report it
+
+
+def _send(event: events.Event, block: bool) -> bool:
+    """Emit ``event`` unless ``block`` is False and the pipe is full; report whether it went."""
+    if not block and not _pipe_has_room():
+        return False
+    return events.emit(event)
+
+
+class ProgressBar:
+    """A tqdm-like bar; see :func:`progress`. ``n`` counts steps, ``total`` may be ``None``."""
+
+    def __init__(
+        self,
+        iterable: Iterable[Any] | None = None,
+        total: int | None = None,
+        desc: str | None = None,
+        unit_scale: float | None = None,
+        *,
+        disable: bool = False,
+        file: Any = None,
+    ) -> None:
+        if total is None and iterable is not None:
+            try:
+                total = len(iterable)  # type: ignore[arg-type]
+            except (TypeError, AttributeError):
+                total = None
+        self.iterable = iterable
+        self.total = total
+        self.desc = desc
+        self.unit_scale = unit_scale
+        self.n = 0
+        self.closed = disable
+        self.bar_id = next(_bar_ids)
+        self.rank = events.current_rank()
+        self._file = file
+        self._start = time.monotonic()
+        # The next time (monotonic) at which a report is due; the hot path compares only this.
+        self._next_at = 0.0
+        self._width = 0
+        if not disable:
+            self._report(force=True)
+
+    # -- tqdm's surface ---------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.iterable is None:
+            raise TypeError("progress() was given no iterable; use it with .update(n) instead.")
+        if self.closed:
+            yield from self.iterable
+            return
+        clock = time.monotonic
+        n = self.n
+        try:
+            for item in self.iterable:
+                yield item
+                n += 1
+                if clock() >= self._next_at:
+                    self.n = n
+                    self._report()
+        finally:
+            self.n = n
+            self.close()
+
+    def __len__(self) -> int:
+        if self.total is None:
+            raise TypeError("this progress bar has no total")
+        return self.total
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more steps (reported at a bounded rate)."""
+        self.n += n
+        if not self.closed and time.monotonic() >= self._next_at:
+            self._report()
+
+    def set_description(self, desc: str | None = None) -> None:
+        self.desc = desc
+
+    def reset(self, total: int | None = None) -> None:
+        self.n, self._start = 0, time.monotonic()
+        if total is not None:
+            self.total = total
+        self._next_at = 0.0
+
+    def close(self) -> None:
+        """Report the final state (always sent) and stop reporting."""
+        if self.closed:
+            return
+        self.closed = True
+        self._report(force=True, closed=True)
+
+    # -- reporting --------------------------------------------------------------------------
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def _report(self, force: bool = False, closed: bool = False) -> None:
+        now = time.monotonic()
+        if self.rank is None:
+            self._draw_text(now, closed)
+            self._next_at = now + TEXT_INTERVAL
+            return
+        event = events.Progress(
+            rank=self.rank,
+            bar_id=self.bar_id,
+            n=self.n,
+            total=self.total,
+            desc=self.desc,
+            elapsed=now - self._start,
+            closed=closed,
+            unit_scale=self.unit_scale,
+        )
+        if closed:
+            flush()  # metrics logged before the bar ended arrive before it does
+        _send(event, block=force)
+        self._next_at = now + EMIT_INTERVAL
+
+    def _draw_text(self, now: float, closed: bool) -> None:
+        """Outside a launch: one line redrawn in place, like tqdm's plain bar."""
+        stream = self._file or sys.stderr
+        text = format_bar(self.n, self.total, self.desc, now - self._start, self.unit_scale)
+        pad = " " * max(0, self._width - len(text))
+        self._width = len(text)
+        try:
+            stream.write("\r" + text + pad + ("\n" if closed else ""))
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def format_bar(
+    n: int, total: int | None, desc: str | None, elapsed: float, unit_scale: float | None = None
+) -> str:
+    """``desc: 40%|████      | 4/10 [00:01<00:02, 3.1 it/s]`` (shorter without a total)."""
+    rate = n / elapsed if elapsed > 0 and n else None
+    head = f"{desc}: " if desc else ""
+    speed = f"{rate:.1f} it/s" if rate else "? it/s"
+    if rate and unit_scale:
+        speed += f", {rate * unit_scale:.1f} samples/s"
+    if total:
+        frac = min(1.0, n / total)
+        filled = int(frac * 20)
+        eta = _clock((total - n) / rate) if rate else "?"
+        return (
+            f"{head}{frac:4.0%}|{'█' * filled}{' ' * (20 - filled)}| {n}/{total} "
+            f"[{_clock(elapsed)}<{eta}, {speed}]"
+        )
+    return f"{head}{n} [{_clock(elapsed)}, {speed}]"
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def progress(
+    iterable: Iterable[Any] | None = None,
+    total: int | None = None,
+    desc: str | None = None,
+    unit_scale: float | None = None,
+) -> ProgressBar:
+    """A progress bar for a loop: this rank's row in the launch dashboard, plain text elsewhere.
+
+    ``total`` defaults to ``len(iterable)``; ``unit_scale`` is the number of samples per step
+    (e.g. the batch size), so the dashboard can show samples/s too.
+
+    Example::
+
+        for batch in nbaccel.progress(loader, desc="epoch 1", unit_scale=32):
+            ...
+        with nbaccel.progress(total=1000) as bar:
+            bar.update(10)
+    """
+    return ProgressBar(iterable, total=total, desc=desc, unit_scale=unit_scale)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if hasattr(value, "item"):  # tensors and numpy scalars, without importing either
+        value = value.item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"log() needs numbers; {name}={value!r} ({type(value).__name__}) is not one."
+        ) from None
+
+
+def log(values: dict[str, Any], step: int | None = None) -> None:
+    """Record metrics for this rank (shown in the dashboard's chart); a no-op outside a launch.
+
+    Values may be numbers or one-element tensors. Never blocks: while the kernel is behind,
+    entries wait in a bounded buffer and go with the next call.
+
+    Example::
+
+        nbaccel.log({"loss": loss, "lr": scheduler.get_last_lr()[0]}, step=step)
+    """
+    rank = events.current_rank()
+    if rank is None:
+        return
+    if not isinstance(values, dict):
+        raise TypeError(f"log() takes a dict of name -> number, got {type(values).__name__}.")
+    clean = {str(k): _as_float(str(k), v) for k, v in values.items()}
+    clean = {k: v for k, v in clean.items() if not math.isnan(v)} or clean
+    _backlog.append(events.Metrics(rank=rank, step=step, values=clean))
+    _drain(block=False)
+
+
+def _drain(block: bool) -> None:
+    while _backlog:
+        if not _send(_backlog[0], block=block):
+            return
+        _backlog.popleft()
+
+
+def flush() -> None:
+    """Send metrics still held back (waiting for the kernel if it must). The rank's entry point
+    should call this before it reports its result."""
+    _drain(block=True)
+
+
+# -- tqdm ------------------------------------------------------------------------------------
+
+
+class _NullFile:
+    """Where a hooked tqdm bar draws: its progress goes to the dashboard instead."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _patch_tqdm_class(cls: type) -> None:
+    """Make every ``tqdm.std.tqdm`` (and so every subclass) report as a :class:`ProgressBar`."""
+    if cls.__dict__.get("_nbaccel_patched"):
+        return
+    original_init, original_update, original_close = cls.__init__, cls.update, cls.close
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 4:
+            args = (*args[:4], _NullFile(), *args[5:])  # ``file`` is tqdm's 5th parameter
+        else:
+            kwargs["file"] = _NullFile()
+        original_init(self, *args, **kwargs)
+        if not getattr(self, "disable", False):
+            desc = (getattr(self, "desc", "") or "").removesuffix(": ") or None
+            self._nbaccel_bar = ProgressBar(total=self.total, desc=desc)
+
+    def update(self: Any, n: float = 1) -> Any:
+        result = original_update(self, n)
+        bar = self.__dict__.get("_nbaccel_bar")
+        if bar is not None and time.monotonic() >= bar._next_at:
+            _sync(self, bar)
+            bar._report()
+        return result
+
+    def close(self: Any) -> Any:
+        bar = self.__dict__.pop("_nbaccel_bar", None)
+        if bar is not None:
+            _sync(self, bar)
+            bar.close()
+        return original_close(self)
+
+    cls.__init__, cls.update, cls.close = __init__, update, close
+    cls._nbaccel_patched = True
+
+
+def _sync(tq: Any, bar: ProgressBar) -> None:
+    bar.n = int(tq.n)
+    bar.total = int(tq.total) if tq.total is not None and math.isfinite(tq.total) else None
+    bar.desc = (tq.desc or "").removesuffix(": ") or None
+
+
+class _TqdmHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Patch ``tqdm.std`` when the rank first imports it, and serve ``tqdm.notebook`` and
+    ``tqdm.autonotebook`` as the plain bar, so a rank never imports IPython or draws widgets."""
+
+    _SUBSTITUTES = ("tqdm.notebook", "tqdm.autonotebook")
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name in self._SUBSTITUTES:
+            return importlib.util.spec_from_loader(name, self)
+        if name == "tqdm.std":
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+            return spec
+        return None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        from tqdm.std import tqdm, trange
+
+        module.tqdm = module.tqdm_notebook = tqdm
+        module.trange = module.tnrange = trange
+        module.__all__ = ["tqdm", "trange"]
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        _patch_tqdm_class(module.tqdm)
+
+
+def install_worker_hooks() -> None:
+    """Make tqdm bars in this rank report as its progress (unless ``NBACCEL_TQDM=0``).
+
+    Called by the rank's entry point right after the event channel is installed. tqdm is only
+    patched when the rank imports it (or now, if it was preloaded), so ranks that never use it
+    pay nothing.
+    """
+    if os.environ.get("NBACCEL_TQDM", "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if any(isinstance(f, _TqdmHook) for f in sys.meta_path):
+        return
+    for name in _TqdmHook._SUBSTITUTES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "tqdm", None) is not None:
+            # Preloaded (fork start method): point it at the plain bar too.
+            from tqdm.std import tqdm, trange
+
+            module.tqdm, module.trange = tqdm, trange
+    if "tqdm.std" in sys.modules:
+        _patch_tqdm_class(sys.modules["tqdm.std"].tqdm)
+        auto = sys.modules.get("tqdm.auto")
+        if auto is not None and any(c.__module__ == "tqdm.notebook" for c in auto.tqdm.__mro__):
+            auto.tqdm = sys.modules["tqdm.std"].tqdm
+    sys.meta_path.insert(0, _TqdmHook())
+
+
+class _CallableModule(type(sys)):
+    """``nbaccel.progress`` is both this module and the function: importing the submodule
+    (as the ranks' entry point does) rebinds the package attribute to the module, so the module
+    itself must be callable for ``nbaccel.progress(loader)`` to keep working."""
+
+    def __call__(
+        self,
+        iterable: Iterable[Any] | None = None,
+        total: int | None = None,
+        desc: str | None = None,
+        unit_scale: float | None = None,
+    ) -> ProgressBar:
+        return progress(iterable, total=total, desc=desc, unit_scale=unit_scale)
+
+
+sys.modules[__name__].__class__ = _CallableModule
