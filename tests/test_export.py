@@ -1,0 +1,163 @@
+"""``nbaccel export``: notebook -> script, and the script gives the notebook's result."""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+
+import nbformat
+import pytest
+
+from nbaccel.export import ExportError, export_notebook, notebook_to_script
+from tests.test_cli_support import processes_mentioning, run_cli
+
+TRAIN = textwrap.dedent(
+    """\
+    def train(steps, lr=0.1):
+        import os
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        x = torch.randn(64, 3)
+        y = x @ torch.tensor([1.0, -2.0, 0.5])
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        for _ in range(steps):
+            xb, yb = x[rank::world], y[rank::world]
+            loss = torch.nn.functional.mse_loss(model(xb).squeeze(-1), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        final = loss.detach().clone()
+        dist.all_reduce(final)
+        dist.destroy_process_group()
+        return final.item() / world
+    """
+)
+
+
+def make_notebook(path, launcher_cell, import_cell="import nbaccel", magics=True):
+    cells = [nbformat.v4.new_code_cell(import_cell)]
+    if magics:
+        cells += [
+            nbformat.v4.new_code_cell("%env NBACCEL_EXPORT_TEST=1\n!echo from-the-shell"),
+        ]
+    cells += [
+        nbformat.v4.new_markdown_cell("# Training"),
+        nbformat.v4.new_code_cell(TRAIN),
+        nbformat.v4.new_code_cell("print('notebook only')", metadata={"tags": ["skip-export"]}),
+        nbformat.v4.new_code_cell(launcher_cell),
+        nbformat.v4.new_code_cell('print(f"final loss {result:.6f}")'),
+    ]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    return path
+
+
+def test_script_shape(tmp_path):
+    nb = make_notebook(
+        tmp_path / "nb.ipynb",
+        "result = nbaccel.notebook_launcher(train, args=(5,), num_processes=2)",
+    )
+    nbformat.write(nbformat.read(nb, as_version=4), nb)
+    text = notebook_to_script(nb)
+    ast.parse(text)  # valid Python
+    assert "# %env NBACCEL_EXPORT_TEST=1  # (IPython magic" in text
+    assert "# !echo from-the-shell  # (shell escape" in text
+    assert "notebook only" not in text
+    assert "# Training" not in text  # markdown cells are not code
+    assert "return train(*(5,), **{})" in text
+    assert "return nbaccel.notebook_launcher(train, args=(5,), num_processes=2)" in text
+    assert re.search(r'if __name__ == "__main__":\n    result = _nbaccel_main\(\)', text)
+    assert text.index("def train") < text.index("_nbaccel_main") < text.index("final loss")
+
+
+def test_from_import_form_and_other_magics(tmp_path):
+    nb = tmp_path / "nb.ipynb"
+    cells = [
+        nbformat.v4.new_code_cell(
+            "from nbaccel import notebook_launcher as nl\n%matplotlib inline"
+        ),
+        nbformat.v4.new_code_cell("%%bash\necho hi"),
+        nbformat.v4.new_code_cell("%%time\nx = 1\nfiles = !ls\nx?"),
+        nbformat.v4.new_code_cell("y = (1\n     % 1)  # valid Python stays as it is"),
+        nbformat.v4.new_code_cell("def fit(a, b=2):\n    return a + b"),
+        nbformat.v4.new_code_cell(
+            "from nbaccel import notebook_launcher\nnotebook_launcher(fit, (1,), kwargs={'b': 3})"
+        ),
+    ]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), nb)
+    text = notebook_to_script(nb)
+    ast.parse(text)
+    assert "# %matplotlib inline" in text and "# %%bash" in text and "# echo hi" in text
+    assert "\nx = 1\n" in text and "# files = !ls" in text and "# x?" in text
+    assert "y = (1\n     % 1)" in text
+    assert "return fit(*(1,), **{'b': 3})" in text
+    assert "    _nbaccel_main()" in text
+
+
+def test_refusals(tmp_path):
+    no_call = tmp_path / "nocall.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(TRAIN)]), no_call)
+    with pytest.raises(ExportError, match="no notebook_launcher"):
+        notebook_to_script(no_call)
+    text = notebook_to_script(no_call, function="train")
+    assert "return train(*(), **{})" in text and "nbaccel.notebook_launcher(train)" in text
+    ast.parse(text)
+
+    twice = make_notebook(
+        tmp_path / "twice.ipynb",
+        "nbaccel.notebook_launcher(train)\nnbaccel.notebook_launcher(train)",
+    )
+    with pytest.raises(ExportError, match="more than one place"):
+        notebook_to_script(twice)
+
+    broken = tmp_path / "broken.ipynb"
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("def f(:\n  pass")]), broken
+    )
+    with pytest.raises(ExportError, match=r"broken.ipynb, cell 1, line 1: not valid Python"):
+        notebook_to_script(broken, function="f")
+
+    other = tmp_path / "other.py"
+    other.write_text("# my own script\n")
+    with pytest.raises(ExportError, match="pass --force"):
+        export_notebook(no_call, other, function="train")
+    assert other.read_text() == "# my own script\n"
+
+
+def test_cli_export_errors_are_one_line(tmp_path):
+    result = run_cli("export", str(tmp_path / "missing.ipynb"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("nbaccel export: error: no such notebook")
+
+
+def test_round_trip_same_final_loss(tmp_path):
+    """The notebook run (real kernel) and `nbaccel launch` of its export agree exactly."""
+    from tests.kernel_helpers import KernelSession
+
+    nb = make_notebook(
+        tmp_path / "quick.ipynb",
+        "result = nbaccel.notebook_launcher(train, args=(20,), num_processes=2, progress=False)",
+    )
+    notebook = nbformat.read(nb, as_version=4)
+    with KernelSession(env={"NBACCEL_NO_WARMUP": "1"}) as kernel:
+        outputs = []
+        for cell in notebook.cells:
+            if cell.cell_type == "code":
+                ran = kernel.execute(cell.source)
+                assert ran.error is None, ran.error_text
+                outputs.append(ran.stdout)
+        assert not kernel.leftovers()
+    notebook_loss = re.search(r"final loss (\S+)", outputs[-1]).group(1)
+
+    exported = run_cli("export", str(nb), "-o", "train.py", cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    launched = run_cli("launch", "--num_processes", "2", "train.py", cwd=tmp_path)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}] final loss {notebook_loss}" in launched.stdout.splitlines()
+    assert not processes_mentioning(str(tmp_path / "train.py"))
