@@ -170,7 +170,10 @@ class PreparedDataLoader:
             self._loader = loader
         else:
             self._sampler = _ShardedBatchSampler(loader, state, split_batches, even_batches, seed)
-            self._loader = _rebuild(loader, self._sampler)
+            # The loader's iterator draws a base seed (for worker seeds) when it starts; drawing
+            # it from torch's global RNG would make a resumed run's dropout differ by one draw.
+            self._generator = torch.Generator()
+            self._loader = _rebuild(loader, self._sampler, self._generator)
         self.batch_size = self._sampler.per_rank if self._sampler else loader.batch_size
 
     def __getattr__(self, name: str) -> Any:
@@ -201,6 +204,8 @@ class PreparedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._sampler is not None:
             self._sampler.epoch, self._sampler.skip = self.epoch, self._skip
+            mix = (self._sampler.seed * 1_000_003 + self.epoch) * 1009 + self._state.process_index
+            self._generator.manual_seed(mix % 2**63)
         source = self._loader if self._sampler else self._round_robin()
         self.position, self._skip = self._skip, 0
         total = len(self) if self._sampler is not None else None
@@ -225,7 +230,9 @@ class PreparedDataLoader:
                 round_ = []
 
 
-def _rebuild(loader: DataLoader, batch_sampler: _ShardedBatchSampler) -> DataLoader:
+def _rebuild(
+    loader: DataLoader, batch_sampler: _ShardedBatchSampler, generator: torch.Generator
+) -> DataLoader:
     """The same loader (workers, collate, pinning) reading this rank's batches."""
     kwargs: dict[str, Any] = {
         "num_workers": loader.num_workers,
@@ -234,7 +241,7 @@ def _rebuild(loader: DataLoader, batch_sampler: _ShardedBatchSampler) -> DataLoa
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
+        "generator": generator,
         "persistent_workers": loader.persistent_workers,
     }
     if loader.num_workers > 0:
