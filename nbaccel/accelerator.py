@@ -184,6 +184,7 @@ class Accelerator:
             even_batches=self.even_batches,
             device_placement=place,
             seed=data.shared_seed(obj),
+            sync_rng=tuple(self.rng_types),
         )
         self._dataloaders.append(loader)
         return loader

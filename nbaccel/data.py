@@ -8,8 +8,8 @@ k, which is what makes N-rank and 1-process training give the same weights.
 
 >>> import torch
 >>> from torch.utils.data import DataLoader
->>> plan = _plan_epoch(list(range(11)), per_rank=2, world=2, rank=1, split=False,
-...                    drop_last=False, even=True)
+>>> plan = _plan_epoch(list(range(11)), per_rank=2, world=2, rank=1, drop_last=False,
+...                    even=True)
 >>> plan.batches, plan.remainder        # sample 0 is borrowed to even out the last step
 ([[2, 3], [6, 7], [10, 0]], 3)
 """
@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from nbaccel import ops
+from nbaccel.random import synchronize_rng_states
 from nbaccel.state import GradientState, ProcessState
 
 
@@ -39,12 +40,14 @@ def _plan_epoch(
     per_rank: int,
     world: int,
     rank: int,
-    split: bool,
     drop_last: bool,
     even: bool,
 ) -> _EpochPlan:
-    """This rank's batches of indices for one epoch, given the epoch's order."""
-    del split  # the step size is per_rank * world either way; kept for readability at call sites
+    """This rank's batches of indices for one epoch, given the epoch's order.
+
+    With ``split_batches`` the caller passes ``per_rank = batch_size // world``; the global step
+    is ``per_rank * world`` samples either way.
+    """
     step = per_rank * world
     full = len(order) // step
     batches = [
@@ -63,8 +66,7 @@ def _plan_epoch(
                 remainder = len(rest) - missing
             batches.append(rest[rank * size : (rank + 1) * size])
         else:
-            size = math.ceil(len(rest) / world) if per_rank == 0 else per_rank
-            mine = rest[rank * size : (rank + 1) * size]
+            mine = rest[rank * per_rank : (rank + 1) * per_rank]
             if mine:
                 batches.append(mine)
     return _EpochPlan(batches, remainder)
@@ -121,7 +123,6 @@ class _ShardedBatchSampler:
             self.per_rank,
             self.world,
             self.rank,
-            self.split,
             self.drop_last,
             self.even,
         )
@@ -160,8 +161,10 @@ class PreparedDataLoader:
         even_batches: bool,
         device_placement: bool,
         seed: int,
+        sync_rng: tuple[str, ...] = (),
     ) -> None:
         self.original = loader
+        self._sync_rng = sync_rng
         self._state, self._gs, self._place = state, gradient_state, device_placement
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch, self.position, self._skip = 0, 0, 0
@@ -202,6 +205,8 @@ class PreparedDataLoader:
             self._sampler.seed = int(state["seed"])
 
     def __iter__(self) -> Iterator[Any]:
+        if self._sync_rng and self._skip == 0:
+            synchronize_rng_states(self._sync_rng)
         if self._sampler is not None:
             self._sampler.epoch, self._sampler.skip = self.epoch, self._skip
             mix = (self._sampler.seed * 1_000_003 + self.epoch) * 1009 + self._state.process_index

@@ -86,3 +86,34 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         _np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def synchronize_rng_states(rng_types: Any) -> None:
+    """Give every rank the main process's ``torch``/``cuda``/``python``/``numpy`` generators.
+
+    ``"generator"`` needs nothing here: prepared DataLoaders already shuffle with a seed shared
+    by all ranks. Prepared DataLoaders call this at the start of each epoch for the
+    ``Accelerator(rng_types=...)`` they were given.
+
+    Example::
+
+        synchronize_rng_states(["torch", "python"])     # every rank now draws the same numbers
+    """
+    import torch.distributed as dist
+
+    wanted = [t for t in rng_types if t != "generator"]
+    if not wanted or not (dist.is_available() and dist.is_initialized()):
+        return
+    payload = [capture_rng_state()]
+    dist.broadcast_object_list(payload, src=0)
+    state = payload[0]
+    if "torch" in wanted:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in wanted and "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "python" in wanted:
+        version, internal, gauss = state["python"]
+        _py_random.setstate((version, tuple(internal), gauss))
+    if "numpy" in wanted and _np is not None and "numpy" in state:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        _np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))

@@ -114,3 +114,25 @@ def test_dataloader_in_one_process_keeps_every_sample():
     assert report["len"] == 3
     assert report["epochs"][0]["seen"] == list(range(10))
     assert report["epochs"][1]["metrics"] == list(range(10))
+
+
+def rng_after_epoch_start(rng_types: list[str] | None) -> float:
+    from nbaccel import Accelerator
+
+    acc = Accelerator(rng_types=rng_types)
+    torch.manual_seed(100 + acc.process_index)  # ranks start out of step on purpose
+    dl = acc.prepare(DataLoader(TensorDataset(torch.arange(4)), batch_size=1))
+    next(iter(dl))
+    return torch.rand(1).item()
+
+
+def test_rng_types_synchronise_global_generators_each_epoch():
+    run = nbaccel.notebook_launcher
+    synced = run(
+        rng_after_epoch_start, args=(["torch"],), num_processes=2, return_all=True, progress=False
+    )
+    assert synced[0] == synced[1]
+    apart = run(
+        rng_after_epoch_start, args=(None,), num_processes=2, return_all=True, progress=False
+    )
+    assert apart[0] != apart[1]  # the default ("generator") leaves per-rank randomness alone
