@@ -1,0 +1,145 @@
+"""Run JupyterLab on 127.0.0.1 and drive it with headless Chromium (Debian's, via Playwright).
+
+Example::
+
+    with JupyterLab(tmp_path) as lab, chromium_page() as page:
+        page.goto(lab.url("lab/tree/test.ipynb"))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts" / "browser"
+
+
+def missing() -> str | None:
+    """Why the browser tests cannot run here, or ``None``."""
+    if not (Path(CHROMIUM).exists() or shutil.which("chromium")):
+        return "Debian's chromium is not installed (apt-get install -y chromium)"
+    for module, package in (("playwright", "playwright"), ("jupyterlab", "jupyterlab")):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{package} is not installed (pip install jupyterlab playwright)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    """A JupyterLab server in ``root``; on exit it, its kernels and their children are gone."""
+
+    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.token = secrets.token_hex(16)
+        self.port = _free_port()
+        self.env = env or {}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = root / "jupyterlab.log"
+
+    def url(self, path: str = "") -> str:
+        sep = "&" if "?" in path else "?"
+        return f"http://127.0.0.1:{self.port}/{path}{sep}token={self.token}"
+
+    def __enter__(self) -> JupyterLab:
+        env = {**os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p)
+        env["JUPYTER_CONFIG_DIR"] = str(self.root / ".jupyter")  # no user settings leak in
+        env["JUPYTER_RUNTIME_DIR"] = str(self.root / ".runtime")
+        cmd = [
+            sys.executable, "-m", "jupyterlab",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            "--ServerApp.open_browser=False",
+            "--LabApp.news_url=",
+            "--LabApp.expose_app_in_browser=True",  # lets the test run cells by command
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ]  # fmt: skip
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-root")  # CI containers run as root
+        self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in __exit__
+        self.process = subprocess.Popen(
+            cmd, cwd=self.root, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url("api/status"), timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=0.25)  # doubles as the pause between polls
+        self.__exit__()
+        raise TimeoutError(f"JupyterLab did not answer in 120 s:\n{self.log.read_text()[-3000:]}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is None:
+            return
+        try:
+            family = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
+        self.process.terminate()  # the server shuts its kernels down on the way out
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        alive = [p for p in family if p.is_running()]
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=10)
+        self._log_file.close()
+        self.process = None
+
+
+@contextlib.contextmanager
+def chromium_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium"),
+            args=CHROMIUM_ARGS,
+        )
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            yield page
+        finally:
+            browser.close()
+
+
+def screenshot(page: Any, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
