@@ -1,0 +1,88 @@
+"""``python -m benchmarks``: run the sections, write ``results/latest.{json,md}``, print the table.
+
+Options: ``--reps N`` interleaved repetitions (default 5), ``--smoke`` (one repetition, tiny
+step counts: checks the wiring, the numbers mean nothing), ``--only launch,steps,...``,
+``--world N`` ranks (default 2), ``--out DIR`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SECTIONS = ("launch", "steps", "iopub", "failure", "rss", "gpu")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default 5)")
+    p.add_argument("--smoke", action="store_true", help="1 repetition, tiny step counts")
+    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    p.add_argument("--world", type=int, default=2, help="ranks per launch (default 2)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    args = p.parse_args(argv)
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(args.only) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown section(s) {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    if args.smoke:
+        args.reps = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    # The kernels import the workload and tests.kernel_helpers from the repository root.
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import failure_rss, gpu, harness, iopub, launch_time, report, step_rate
+
+    results: dict[str, Any] = {
+        "machine": harness.machine_info(),
+        "world_size": args.world,
+        "reps": args.reps,
+        "smoke": args.smoke,
+        "sections_run": args.only,
+        "calls": harness.CALLS,
+    }
+    scratch = harness.Scratch()
+    started = time.monotonic()
+    try:
+        for name in args.only:
+            t0 = time.monotonic()
+            print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
+            if name == "launch":
+                results[name] = launch_time.run(args.reps, args.smoke, args.world, scratch)
+            elif name == "steps":
+                results[name] = step_rate.run(args.reps, args.smoke, args.world, scratch)
+            elif name == "iopub":
+                results[name] = iopub.run(args.reps, args.smoke, args.world, scratch)
+            elif name == "failure":
+                results[name] = failure_rss.run_failure(args.reps, args.smoke, args.world, scratch)
+            elif name == "rss":
+                results[name] = failure_rss.run_rss(args.smoke, args.world, scratch)
+            elif name == "gpu":
+                results[name] = gpu.run(args.reps, args.smoke)
+            results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
+    finally:
+        scratch.close()
+    results["total_seconds"] = round(time.monotonic() - started, 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = report.render(results)
+    (args.out / "latest.md").write_text(table)
+    print(table)
+    print(f"[benchmarks] wrote {args.out / 'latest.json'} and latest.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

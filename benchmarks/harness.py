@@ -1,0 +1,250 @@
+"""Shared machinery of the benchmark sections: kernels, the contenders' launch cells, statistics.
+
+Every contender is launched from a cell of a real ipykernel driven through jupyter_client
+(``tests.kernel_helpers.KernelSession``), calling its launcher the way its documentation shows,
+on the same ``benchmarks.workload.train``. Each launch gets a fresh output folder where the ranks
+write their records; the cell prints one ``@@BENCH`` line with the kernel's wall-clock time just
+before and just after the launcher call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workload import read_ranks
+from tests.kernel_helpers import Cell, KernelSession
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "@@BENCH "
+
+# How each contender is imported (in the kernel's first cell, outside any timing) and called.
+IMPORTS = {
+    "nbaccel": "import nbaccel",
+    "accelerate": "from accelerate import notebook_launcher as accelerate_launcher",
+    "mp_fork": "import torch.multiprocessing as mp",
+    "mp_spawn": "import torch.multiprocessing as mp",
+    "torchrun": "import subprocess",
+}
+LAUNCH = {
+    "nbaccel": "nbaccel.notebook_launcher(W.train, args=(_cfg,), num_processes={world}{kw})",
+    "accelerate": (
+        "accelerate_launcher(W.train, args=(_cfg,), num_processes={world}, "
+        "use_port=str(W.free_port()){kw})"
+    ),
+    "mp_fork": (
+        "_cfg.update(world_size={world}, port=W.free_port())\n"
+        "mp.start_processes(W.train_indexed, args=(_cfg,), nprocs={world}, start_method='fork')"
+    ),
+    "mp_spawn": (
+        "_cfg.update(world_size={world}, port=W.free_port())\n"
+        "mp.start_processes(W.train_indexed, args=(_cfg,), nprocs={world}, start_method='spawn')"
+    ),
+    "torchrun": (
+        "subprocess.run([sys.executable, '-m', 'torch.distributed.run', "
+        "'--nproc-per-node={world}', '--master-addr=127.0.0.1', "
+        "f'--master-port={{W.free_port()}}', '-m', 'benchmarks.workload', json.dumps(_cfg)], "
+        "check=True)"
+    ),
+}
+# Human-readable call, for the results table and README.
+CALLS = {
+    "nbaccel": "nbaccel.notebook_launcher(train, args, num_processes=2)",
+    "accelerate": "accelerate.notebook_launcher(train, args, num_processes=2, use_port=<free>)",
+    "mp_fork": "torch.multiprocessing.start_processes(train, nprocs=2, start_method='fork')",
+    "mp_spawn": "torch.multiprocessing.start_processes(train, nprocs=2, start_method='spawn')",
+    "torchrun": "subprocess.run(['python', '-m', 'torch.distributed.run', '--nproc-per-node=2', "
+    "'--master-port=<free>', '-m', 'benchmarks.workload', cfg])",
+}
+STARTUP = "import json, os, sys, time\nimport torch\nimport benchmarks.workload as W\n"
+
+
+def unavailable_reason(contender: str) -> str | None:
+    """Why a contender cannot run here (a missing optional package), or None."""
+    needs = {"accelerate": "accelerate", "accelerate_tqdm": "accelerate"}
+    package = needs.get(contender)
+    if package and importlib.util.find_spec(package) is None:
+        return f"{package} is not installed (pip install -c constraints.txt accelerate tqdm)"
+    if contender.startswith("nbaccel_") or contender == "nbaccel_acc":
+        try:
+            from nbaccel import Accelerator  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure makes it unavailable
+            return f"nbaccel.Accelerator is not importable: {type(exc).__name__}: {exc}"
+    return None
+
+
+@contextlib.contextmanager
+def kernel(imports: Sequence[str] = (), env: dict[str, str] | None = None) -> Iterator[Any]:
+    """A fresh kernel that has imported torch, the workload and the given contenders."""
+    extra = "\n".join(dict.fromkeys(IMPORTS[c] for c in imports))
+    kernel_env = {"PYTHONPATH": str(ROOT), **(env or {})}
+    with KernelSession(env=kernel_env, startup=STARTUP + extra) as session:
+        try:
+            yield session
+        finally:
+            # Accelerate's launcher leaves torch elastic's SIGTERM handler installed in the
+            # kernel, which turns the shutdown's SIGTERM into a traceback on stderr.
+            with contextlib.suppress(Exception):
+                session.execute(
+                    "import signal; signal.signal(signal.SIGTERM, signal.SIG_DFL)", timeout=30
+                )
+
+
+class Scratch:
+    """Output folders for launches, all below one temporary directory removed at the end."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="nbaccel-bench-"))
+        self._count = 0
+
+    def new(self) -> str:
+        self._count += 1
+        path = self.root / f"launch{self._count}"
+        path.mkdir()
+        return str(path)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def launch_cell(contender: str, cfg: dict[str, Any], world: int, kw: str = "") -> str:
+    """The cell that launches ``contender``: times the launcher call with the kernel's clock."""
+    call = LAUNCH[contender].format(world=world, kw=kw)
+    return (
+        f"_cfg = json.loads({json.dumps(cfg)!r})\n"
+        "_t0 = time.time()\n"
+        "try:\n"
+        f"{textwrap.indent(call, '    ')}\n"
+        "finally:\n"
+        f"    print({MARK!r} + json.dumps({{'t0': _t0, 't1': time.time()}}), flush=True)\n"
+    )
+
+
+def run_launch(
+    session: Any,
+    contender: str,
+    cfg: dict[str, Any],
+    world: int,
+    scratch: Scratch,
+    kw: str = "",
+    expect_error: bool = False,
+    on_message: Any = None,
+    timeout: float = 600,
+) -> dict[str, Any]:
+    """Launch once; return the kernel's timings, each rank's record and the cell itself."""
+    cfg = {**cfg, "out_dir": scratch.new()}
+    sent = time.time()
+    cell = session.execute(launch_cell(contender, cfg, world, kw), timeout, on_message)
+    done = time.time()
+    if cell.error is not None and not expect_error:
+        raise RuntimeError(f"{contender} launch failed:\n{cell.error_text[-3000:]}")
+    marks = [line for line in cell.stdout.splitlines() if line.startswith(MARK)]
+    times = json.loads(marks[-1][len(MARK) :]) if marks else {}
+    return {
+        "sent": sent,
+        "done": done,
+        "t0": times.get("t0"),
+        "t1": times.get("t1"),
+        "ranks": read_ranks(cfg["out_dir"], world),
+        "cell": cell,
+    }
+
+
+def first_step_latency(run: dict[str, Any], world: int) -> float:
+    """Seconds from the kernel's clock just before the launcher call to the last rank's first
+    optimizer step."""
+    ranks = run["ranks"]
+    if len(ranks) != world or any(r.get("first_step") is None for r in ranks.values()):
+        raise RuntimeError(f"not every rank reported its first step: {ranks}")
+    return max(r["first_step"] for r in ranks.values()) - run["t0"]
+
+
+def message_bytes(msg: dict[str, Any]) -> int:
+    """Size of an iopub message as JSON (header, parent header, metadata, content)."""
+    parts = {k: msg.get(k) for k in ("header", "parent_header", "metadata", "content")}
+    return len(json.dumps(parts, default=str).encode())
+
+
+def rotated(items: Sequence[str], rep: int) -> list[str]:
+    """Interleaving order for repetition ``rep``: A B C, then B C A, ... so no contender always
+    runs first (right after a kernel start, or right after a heavy neighbour)."""
+    k = rep % len(items) if items else 0
+    return list(items[k:]) + list(items[:k])
+
+
+def summary(values: Sequence[float], digits: int = 4) -> dict[str, Any]:
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"n": 0, "median": None}
+    return {
+        "n": len(vals),
+        "median": round(statistics.median(vals), digits),
+        "min": round(min(vals), digits),
+        "max": round(max(vals), digits),
+        "values": [round(v, digits) for v in vals],
+    }
+
+
+def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
+    if a is None or b in (None, 0):
+        return None
+    return round(a / b, digits)
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float], digits: int = 3) -> float | None:
+    """Median of per-repetition ratios a[i]/b[i]: runs next to each other share the machine's
+    load, so this is steadier than a ratio of medians on a busy machine."""
+    pairs = [x / y for x, y in zip(a, b) if y]
+    if not pairs or len(a) != len(b):
+        return None
+    return round(statistics.median(pairs), digits)
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    versions = {}
+    for name in ("accelerate", "tqdm", "ipykernel", "jupyter_client", "ipywidgets"):
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "git_commit": commit,
+        "versions": versions,
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+__all__ = ["Cell", "KernelSession", "kernel", "run_launch", "summary", "ratio", "rotated"]

@@ -1,0 +1,82 @@
+"""Section 1: time from the launch cell starting to every rank's first training step.
+
+For each contender and repetition a fresh kernel imports torch, the workload and the contender
+(outside the timing), then launches ``train`` in ``mode="raw"`` (plain DDP, so only the
+launchers differ) once — the *first launch* — and again ``repeats`` times in the same kernel —
+*repeated launches*. The latency is the last rank's ``time.time()`` after its first optimizer step
+minus the kernel's ``time.time()`` just before the launcher call; for torchrun that is just before
+``subprocess.run`` starts it. Repetitions are interleaved with a rotating order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import harness as H
+
+CONTENDERS = ("nbaccel", "accelerate", "mp_fork", "mp_spawn", "torchrun")
+FAST = ("nbaccel", "accelerate", "mp_fork")  # the contenders a smoke run launches twice
+
+
+def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any]:
+    cfg = {"mode": "raw", "steps": 3 if smoke else 10, "warmup": 0}
+    repeats = 1 if smoke else 2
+    contenders = [c for c in CONTENDERS if H.unavailable_reason(c) is None]
+    raw: dict[str, dict[str, list]] = {
+        c: {"first": [], "repeat": [], "cell_first": [], "cell_repeat": [], "errors": []}
+        for c in contenders
+    }
+
+    def launch(session: Any, c: str, kind: str) -> None:
+        try:
+            result = H.run_launch(session, c, cfg, world, scratch)
+            raw[c][kind].append(H.first_step_latency(result, world))
+            raw[c]["cell_" + kind].append(result["t1"] - result["t0"])
+        except Exception as exc:  # noqa: BLE001 - one failed launch is reported, not fatal
+            raw[c]["errors"].append(f"{kind}: {type(exc).__name__}: {str(exc)[-400:]}")
+
+    if smoke:
+        # One kernel for all: a smoke run checks the wiring, not the first-launch cost.
+        with H.kernel(contenders) as session:
+            for c in contenders:
+                launch(session, c, "first")
+                if c in FAST:  # the others start from scratch every time anyway
+                    launch(session, c, "repeat")
+    else:
+        for rep in range(reps):
+            for c in H.rotated(contenders, rep):
+                with H.kernel([c]) as session:
+                    launch(session, c, "first")
+                    for _ in range(repeats):
+                        launch(session, c, "repeat")
+
+    out: dict[str, Any] = {
+        "what": "seconds from the kernel's clock just before the launcher call to the last "
+        "rank's first optimizer step (same plain-DDP function for all)",
+        "steps_per_launch": cfg["steps"],
+        "repeats_per_kernel": repeats,
+        "fresh_kernel_per_first_launch": not smoke,
+        "contenders": {},
+    }
+    for c in CONTENDERS:
+        if c not in raw:
+            out["contenders"][c] = {"unavailable": H.unavailable_reason(c)}
+            continue
+        r = raw[c]
+        out["contenders"][c] = {
+            "call": H.CALLS[c],
+            "first_launch_s": H.summary(r["first"]),
+            "repeat_launch_s": H.summary(r["repeat"]),
+            "cell_first_s": H.summary(r["cell_first"]),
+            "cell_repeat_s": H.summary(r["cell_repeat"]),
+            "errors": r["errors"],
+        }
+    base = out["contenders"].get("nbaccel", {})
+    for entry in out["contenders"].values():
+        if "unavailable" in entry or "unavailable" in base:
+            continue
+        for key in ("first_launch_s", "repeat_launch_s"):
+            entry[key.replace("_s", "_vs_nbaccel")] = H.ratio(
+                entry[key]["median"], base[key]["median"]
+            )
+    return out
