@@ -28,8 +28,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "Accelerator": "nbaccel.accelerator",
     "set_seed": "nbaccel.random",
-    "progress": "nbaccel.progress",
-    "log": "nbaccel.progress",
+    "progress": "nbaccel.reporting",
+    "log": "nbaccel.reporting",
     "configure": "nbaccel.ui.config_panel",
     "hardware": "nbaccel.hardware",
 }

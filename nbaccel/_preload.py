@@ -15,7 +15,7 @@ for _name in (
     "torch._dynamo",
     "cloudpickle",
     "nbaccel._worker",
-    "nbaccel.progress",
+    "nbaccel.reporting",
 ):
     try:
         importlib.import_module(_name)

@@ -23,7 +23,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel import _pickling, events
+from nbaccel import _pickling, events, reporting
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
@@ -200,11 +200,7 @@ def _report_failure(exc: BaseException, rank: int) -> None:
 def _install_progress_hooks() -> None:
     """Let tqdm bars in the user's code report as this rank's progress (opt out: NBACCEL_TQDM=0)."""
     try:
-        from nbaccel.progress import install_worker_hooks
-    except ImportError:  # progress reporting is optional; output still flows
-        return
-    try:
-        install_worker_hooks()
+        reporting.install_worker_hooks()
     except Exception as exc:  # noqa: BLE001 - never let reporting break training
         print(f"nbaccel: progress hooks not installed: {exc}", file=sys.stderr)
 
@@ -237,7 +233,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     _install_progress_hooks()
     events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
 
-    code = 0
+    payload, failure, code = None, None, 0
     try:
         function = cloudpickle.loads(spec.function)
         args = [cloudpickle.loads(a) for a in spec.args]
@@ -246,15 +242,13 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
         payload = _pickling.dumps(_to_cpu(value)) if spec.send_result else None
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            _report_failure(exc, spec.rank)
-            code = exc.code if isinstance(exc.code, int) else 1
-        payload = None
+            failure, code = exc, exc.code if isinstance(exc.code, int) else 1
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
-        _report_failure(exc, spec.rank)
-        code = 1
+        failure, code = exc, 1
+    reporting.flush()  # metrics held back while the kernel was busy go before the verdict
+    if failure is not None:
+        _report_failure(failure, spec.rank)
     else:
-        code = 0
-    if code == 0:
         _destroy_process_group()
         events.emit(events.Result(rank=spec.rank, payload=payload))
     _flush_all()

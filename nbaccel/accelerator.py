@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel import checkpoint, data, events, ops
+from nbaccel import checkpoint, data, ops, reporting
 from nbaccel.config import (
     ENV_GRADIENT_ACCUMULATION_STEPS,
     ENV_MIXED_PRECISION,
@@ -378,10 +378,7 @@ class Accelerator:
 
     def log(self, values: dict[str, Any], step: int | None = None) -> None:
         """Send metrics to the launching kernel's dashboard (from every rank; no-op elsewhere)."""
-        floats = {
-            k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()
-        }
-        events.emit(events.Metrics(rank=self.process_index, step=step, values=floats))
+        reporting.log(values, step=step)
 
     def end_training(self) -> None:
         """Wait for every rank; the launcher tears the process group down afterwards."""

@@ -4,7 +4,7 @@ Events flow one way, worker -> kernel, each pickled on its own over a pipe that 
 rank. Output does not travel here: stdout/stderr go through their own per-rank pipes at the file
 descriptor level, so C libraries' writes and crashes are caught too.
 
-Worker code never imports this directly; ``nbaccel.progress`` and ``Accelerator.log`` call
+Worker code never imports this directly; ``nbaccel.progress``/``nbaccel.log`` call
 :func:`emit`, which is a no-op outside a launch.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import select
 import threading
 from typing import Any
 
@@ -72,6 +73,17 @@ class _Channel:
         with self._lock:
             self._conn.send_bytes(data)
 
+    def has_room(self) -> bool:
+        """Whether a small event can be written now without waiting for the kernel to read.
+
+        A pipe polls writable while at least PIPE_BUF (4 KiB) bytes are free; progress and
+        metric events are smaller than that.
+        """
+        try:
+            return bool(select.select([], [self._conn.fileno()], [], 0)[1])
+        except (OSError, ValueError):
+            return True  # let send() find out and report it
+
 
 _channel: _Channel | None = None
 
@@ -86,10 +98,15 @@ def current_rank() -> int | None:
     return _channel.rank if _channel is not None else None
 
 
-def emit(event: Event) -> bool:
-    """Send ``event`` to the kernel if this process is a launched rank; report whether it was sent."""
+def emit(event: Event, block: bool = True) -> bool:
+    """Send ``event`` to the kernel if this process is a launched rank; report whether it was sent.
+
+    With ``block=False`` an event that would have to wait for the kernel (pipe full) is not sent.
+    """
     channel = _channel
     if channel is None:
+        return False
+    if not block and not channel.has_room():
         return False
     try:
         channel.send(event)

@@ -30,7 +30,8 @@ class Cell:
 
     def _streams(self, name: str) -> str:
         return "".join(
-            m["content"]["text"] for m in self.messages
+            m["content"]["text"]
+            for m in self.messages
             if m["msg_type"] == "stream" and m["content"]["name"] == name
         )
 
@@ -61,7 +62,8 @@ class Cell:
     def results(self) -> list[dict[str, Any]]:
         """``data`` bundles of execute_result and display_data messages."""
         return [
-            m["content"]["data"] for m in self.messages
+            m["content"]["data"]
+            for m in self.messages
             if m["msg_type"] in ("execute_result", "display_data")
         ]
 

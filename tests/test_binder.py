@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -43,5 +43,7 @@ def test_binder_installs_the_tested_versions():
     tested = pins(ROOT / "constraints.txt")
     assert set(binder) == set(tested)
     for name, version in binder.items():
-        assert version.public == tested[name].public, f"{name}: binder {version}, tests {tested[name]}"
+        assert version.public == tested[name].public, (
+            f"{name}: binder {version}, tests {tested[name]}"
+        )
     assert binder["torch"].local == "cpu", "Binder should install the small CPU-only torch"

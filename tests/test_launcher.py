@@ -26,8 +26,17 @@ def all_reduce_rank_sum(offset):
 
 
 def report_environment():
-    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "NBACCEL_MIXED_PRECISION", "NBACCEL_LAUNCHER", "USER_SETTING"]
+    keys = [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NBACCEL_MIXED_PRECISION",
+        "NBACCEL_LAUNCHER",
+        "USER_SETTING",
+    ]
     return {k: os.environ.get(k) for k in keys} | {"pid": os.getpid()}
 
 
@@ -120,7 +129,9 @@ def test_closures_lambdas_and_local_classes_travel_by_value():
     def train(scaler):
         return scaler(double(int(os.environ["RANK"]) + 1))
 
-    assert nbaccel.notebook_launcher(train, args=(Scaler(5),), num_processes=2, return_all=True) == [30, 60]
+    assert nbaccel.notebook_launcher(
+        train, args=(Scaler(5),), num_processes=2, return_all=True
+    ) == [30, 60]
 
 
 def test_environment_reaches_ranks_and_one_process_is_still_a_worker(monkeypatch):
@@ -147,7 +158,9 @@ def test_large_return_value_does_not_deadlock():
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])
 def test_other_start_methods(method):
-    result = nbaccel.notebook_launcher(all_reduce_rank_sum, args=(0,), num_processes=2, start_method=method)
+    result = nbaccel.notebook_launcher(
+        all_reduce_rank_sum, args=(0,), num_processes=2, start_method=method
+    )
     assert result["sum"].item() == 1.0
 
 
@@ -234,4 +247,7 @@ def test_timeout_names_running_ranks_and_shows_their_stacks():
 def test_next_launch_works_after_a_failure():
     with pytest.raises(RankFailedError):
         nbaccel.notebook_launcher(fail_then_wait_long, num_processes=2)
-    assert nbaccel.notebook_launcher(all_reduce_rank_sum, args=(1,), num_processes=2)["sum"].item() == 3.0
+    assert (
+        nbaccel.notebook_launcher(all_reduce_rank_sum, args=(1,), num_processes=2)["sum"].item()
+        == 3.0
+    )

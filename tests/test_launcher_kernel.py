@@ -60,7 +60,8 @@ def test_lines_arrive_while_ranks_run_and_result_comes_back(kernel, tmp_path):
 
 
 def test_failing_rank_shows_rank_type_message_and_user_code(kernel):
-    result = kernel.execute(cell("""
+    result = kernel.execute(
+        cell("""
         def train():
             rank = int(os.environ["RANK"])
             if rank == 1:
@@ -69,7 +70,8 @@ def test_failing_rank_shows_rank_type_message_and_user_code(kernel):
             time.sleep(600)
 
         nbaccel.notebook_launcher(train, num_processes=2)
-    """))
+    """)
+    )
     assert result.error is not None
     assert result.error["ename"] == "RankFailedError"
     text = result.error_text
@@ -109,23 +111,27 @@ def test_interrupt_stops_every_rank_and_raises_keyboardinterrupt_once(kernel):
 
 
 def test_launch_after_interrupt_and_failure_works(kernel):
-    result = kernel.execute(cell("""
+    result = kernel.execute(
+        cell("""
         def train():
             return int(os.environ["RANK"]) * 10
 
         nbaccel.notebook_launcher(train, num_processes=2, return_all=True)
-    """))
+    """)
+    )
     assert result.error is None, result.error_text
     assert result.results[-1]["text/plain"] == "[0, 10]"
 
 
 def test_cuda_free_kernel_class_and_global_from_earlier_cells(kernel):
     kernel.execute("SCALE = 7\nclass Box:\n    def __init__(self, v): self.v = v")
-    result = kernel.execute(cell("""
+    result = kernel.execute(
+        cell("""
         def train():
             return Box(SCALE * (int(os.environ["RANK"]) + 1))
 
         [b.v for b in nbaccel.notebook_launcher(train, num_processes=2, return_all=True)]
-    """))
+    """)
+    )
     assert result.error is None, result.error_text
     assert result.results[-1]["text/plain"] == "[7, 14]"

@@ -15,13 +15,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_script(path, timeout=180):
     env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_plain_script_with_main_guard(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import nbaccel
 
         def train(base):
@@ -32,7 +34,8 @@ def test_plain_script_with_main_guard(tmp_path):
 
         if __name__ == "__main__":
             print("RESULT", nbaccel.notebook_launcher(train, args=(40,), num_processes=2))
-    """))
+    """)
+    )
     done = run_script(script)
     assert done.returncode == 0, done.stderr
     assert "[rank0] hello from 0" in done.stdout
@@ -42,7 +45,8 @@ def test_plain_script_with_main_guard(tmp_path):
 
 def test_failing_script_exits_nonzero_naming_the_rank(tmp_path):
     script = tmp_path / "fails.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, nbaccel
 
         def train():
@@ -51,7 +55,8 @@ def test_failing_script_exits_nonzero_naming_the_rank(tmp_path):
 
         if __name__ == "__main__":
             nbaccel.notebook_launcher(train, num_processes=2)
-    """))
+    """)
+    )
     done = run_script(script)
     assert done.returncode == 1
     assert "rank 1 (of 2) raised RuntimeError: out of data" in done.stderr
@@ -61,7 +66,8 @@ def test_failing_script_exits_nonzero_naming_the_rank(tmp_path):
 def test_ranks_die_with_the_launching_process(tmp_path):
     """SIGKILL the process that launched (as if the kernel died): no rank may survive it."""
     script = tmp_path / "killed.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, time, nbaccel
 
         def train():
@@ -70,9 +76,12 @@ def test_ranks_die_with_the_launching_process(tmp_path):
 
         if __name__ == "__main__":
             nbaccel.notebook_launcher(train, num_processes=2)
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
-    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    launcher = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
     rank_pids = []
     try:
         for line in launcher.stdout:
@@ -80,7 +89,11 @@ def test_ranks_die_with_the_launching_process(tmp_path):
                 rank_pids.append(int(line.split()[-1]))
             if len(rank_pids) == 2:
                 break
-        server = [c for c in psutil.Process(launcher.pid).children(recursive=True) if c.pid not in rank_pids]
+        server = [
+            c
+            for c in psutil.Process(launcher.pid).children(recursive=True)
+            if c.pid not in rank_pids
+        ]
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
     finally:
@@ -98,7 +111,8 @@ def test_two_nodes_on_one_host_form_one_world(tmp_path):
 
     port = free_port()
     script = tmp_path / "node.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, nbaccel
 
         def train():
@@ -113,12 +127,21 @@ def test_two_nodes_on_one_host_form_one_world(tmp_path):
             result = nbaccel.notebook_launcher(train, num_processes=1, num_nodes=2, node_rank=node,
                                                use_port=int(sys.argv[2]), timeout=120, return_all=True)
             print("RESULT", result)
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": REPO, "GLOO_SOCKET_IFNAME": "lo"}
-    nodes = [subprocess.Popen([sys.executable, str(script), str(n), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(n), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     outputs = [n.communicate(timeout=180) for n in nodes]
-    for node, (out, err) in zip(nodes, outputs):
+    for node, (_, err) in zip(nodes, outputs):
         assert node.returncode == 0, err
     assert "RESULT [(0, 2, 3.0)]" in outputs[0][0]
     assert "RESULT [(1, 2, 3.0)]" in outputs[1][0]

@@ -9,7 +9,7 @@ import pytest
 
 import nbaccel
 from nbaccel.launch_state import LaunchState
-from nbaccel.progress import ProgressBar, format_bar, log, progress
+from nbaccel.reporting import ProgressBar, format_bar, log, progress
 
 
 class RecordingView:
@@ -75,9 +75,9 @@ def _loop(steps):
     sent = []
     original = events.emit
 
-    def counting(event):
+    def counting(event, **options):
         sent.append(type(event).__name__)
-        return original(event)
+        return original(event, **options)
 
     events.emit = counting
     start = time.monotonic()
@@ -108,7 +108,7 @@ def test_progress_under_launch_reports_final_state_with_few_events():
 def _tqdm_loop(install):
 
     if install:
-        from nbaccel.progress import install_worker_hooks
+        from nbaccel.reporting import install_worker_hooks
 
         install_worker_hooks()  # the rank entry point will do this itself
     import tqdm

@@ -19,7 +19,6 @@ import importlib.util
 import itertools
 import math
 import os
-import select
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -35,26 +34,9 @@ _bar_ids = itertools.count()
 _backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
 
 
-def _pipe_has_room() -> bool:
-    """Whether a small event can be written now without waiting for the kernel to read.
-
-    A pipe polls writable while at least PIPE_BUF bytes are free, and events are smaller.
-    """
-    channel = events._channel
-    conn = getattr(channel, "_conn", None)
-    if conn is None:
-        return True
-    try:
-        return bool(select.select([], [conn.fileno()], [], 0)[1])
-    except (OSError, ValueError):
-        return True  # let emit() find out and report it
-
-
 def _send(event: events.Event, block: bool) -> bool:
     """Emit ``event`` unless ``block`` is False and the pipe is full; report whether it went."""
-    if not block and not _pipe_has_room():
-        return False
-    return events.emit(event)
+    return events.emit(event, block=block)
 
 
 class ProgressBar:
@@ -394,21 +376,3 @@ def install_worker_hooks() -> None:
         if auto is not None and any(c.__module__ == "tqdm.notebook" for c in auto.tqdm.__mro__):
             auto.tqdm = sys.modules["tqdm.std"].tqdm
     sys.meta_path.insert(0, _TqdmHook())
-
-
-class _CallableModule(type(sys)):
-    """``nbaccel.progress`` is both this module and the function: importing the submodule
-    (as the ranks' entry point does) rebinds the package attribute to the module, so the module
-    itself must be callable for ``nbaccel.progress(loader)`` to keep working."""
-
-    def __call__(
-        self,
-        iterable: Iterable[Any] | None = None,
-        total: int | None = None,
-        desc: str | None = None,
-        unit_scale: float | None = None,
-    ) -> ProgressBar:
-        return progress(iterable, total=total, desc=desc, unit_scale=unit_scale)
-
-
-sys.modules[__name__].__class__ = _CallableModule
