@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from nbaccel import ops
+from nbaccel._atomic import atomic_write
 from nbaccel.random import capture_rng_state, restore_rng_state
 
 
@@ -35,18 +35,8 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
 
         atomic_save(model.state_dict(), "ckpt/model.pt")
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def _load(path: Path, trusted_fallback: bool = False) -> Any:

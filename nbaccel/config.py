@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from nbaccel._atomic import atomic_write
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
 STRATEGY_CHOICES = ("ddp", "fsdp")
@@ -151,17 +152,8 @@ class LaunchConfig:
     def save(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the config as YAML, atomically: a crash never leaves a half-written file."""
         target = Path(path) if path is not None else default_config_path()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.to_yaml())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_write(target, "w", encoding="utf-8") as f:
+            f.write(self.to_yaml())
         return target
 
     @classmethod

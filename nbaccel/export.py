@@ -25,9 +25,10 @@ from __future__ import annotations
 import ast
 import os
 import re
-import tempfile
 import textwrap
 from pathlib import Path
+
+from nbaccel._atomic import atomic_write
 
 SKIP_TAG = "skip-export"
 HEADER = "# Exported from {name} by `nbaccel export`; run it with: nbaccel launch {script}\n"
@@ -250,13 +251,6 @@ def export_notebook(
             )
     if output:  # the header names the script actually written
         text = text.replace(Path(notebook).with_suffix(".py").name, target.name, 1)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(target, "w", encoding="utf-8") as f:
+        f.write(text)
     return target
