@@ -164,3 +164,10 @@ def read_ranks(out_dir: str | Path, world: int) -> dict[int, dict[str, Any]]:
 
 if __name__ == "__main__":
     train(json.loads(sys.argv[1]))
+    # A torchrun script tears its process group down itself; left alive, gloo's threads make
+    # the interpreter's exit abort ("terminate called without an active exception", SIGABRT).
+    # The other launchers end their ranks without running C++ static destructors.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
