@@ -12,12 +12,15 @@ summary. Run outside a launcher (no error file), the traceback goes to stderr as
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
 import sys
 import time
 import traceback
+
+from nbaccel import _torch_fixes
 
 USAGE = "usage: python -m nbaccel._script_entry SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if sys.path and sys.path[0] in ("", os.getcwd()) and argv[0] != "-m":
         sys.path.pop(0)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    _torch_fixes.keep_destroyed_process_groups_alive()
     try:
         _run(argv)
     except SystemExit as exc:
@@ -119,4 +123,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    _status = main()
+    # End without interpreter teardown, where torch's process-group destructors can deadlock
+    # (see nbaccel/_torch_fixes.py); the script's atexit hooks still run.
+    atexit._run_exitfuncs()
+    for _stream in (sys.stdout, sys.stderr):
+        try:
+            _stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(_status)

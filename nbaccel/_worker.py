@@ -13,6 +13,7 @@ import dataclasses
 import faulthandler
 import io
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel import _pickling, events, reporting
+from nbaccel import _pickling, _torch_fixes, events, reporting
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
@@ -205,15 +206,6 @@ def _install_progress_hooks() -> None:
         print(f"nbaccel: progress hooks not installed: {exc}", file=sys.stderr)
 
 
-def _destroy_process_group() -> None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
 def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any) -> None:
     """Entry point of a rank process (the target of its ``multiprocessing.Process``)."""
     # The kernel handles Ctrl-C/interrupt for everyone and stops ranks itself; N tracebacks
@@ -231,6 +223,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     _pickling.install_sources(spec.sources)
     events.install_channel(events_w, spec.rank)
     _install_progress_hooks()
+    _torch_fixes.keep_destroyed_process_groups_alive()
     events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
 
     payload, failure, code = None, None, 0
@@ -249,9 +242,14 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     if failure is not None:
         _report_failure(failure, spec.rank)
     else:
-        _destroy_process_group()
+        # The process group is left to die with the process (see _torch_fixes).
         events.emit(events.Result(rank=spec.rank, payload=payload))
     _flush_all()
     diag.flush()
-    if code:
-        raise SystemExit(code)  # multiprocessing turns an int code into the exit status quietly
+    # Leave without interpreter teardown, as multiprocessing's fork children do: torch's
+    # process-group destructors can deadlock there (see _torch_fixes), and everything has been
+    # reported. multiprocessing's own exit hook still stops this rank's child processes.
+    exit_hook = getattr(multiprocessing.util, "_exit_function", None)
+    if exit_hook is not None:
+        exit_hook()
+    os._exit(code)
