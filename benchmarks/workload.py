@@ -150,6 +150,17 @@ def train_indexed(index: int, cfg: dict[str, Any]) -> None:
         MASTER_PORT=str(cfg["port"]),
     )
     train(cfg)
+    _tear_down_process_group()
+
+
+def _tear_down_process_group() -> None:
+    """For launchers whose ranks exit through interpreter teardown (spawn, torchrun): a gloo
+    group left alive makes that exit abort ("terminate called without an active exception",
+    SIGABRT). nbaccel and fork-based launchers end ranks without C++ static destructors."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def read_ranks(out_dir: str | Path, world: int) -> dict[int, dict[str, Any]]:
@@ -164,10 +175,4 @@ def read_ranks(out_dir: str | Path, world: int) -> dict[int, dict[str, Any]]:
 
 if __name__ == "__main__":
     train(json.loads(sys.argv[1]))
-    # A torchrun script tears its process group down itself; left alive, gloo's threads make
-    # the interpreter's exit abort ("terminate called without an active exception", SIGABRT).
-    # The other launchers end their ranks without running C++ static destructors.
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    _tear_down_process_group()
