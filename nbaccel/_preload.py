@@ -6,6 +6,13 @@ here runs tensor code: thread pools started in the server would not survive the 
 """
 
 import importlib
+import signal
+
+# Jupyter's interrupt and shutdown signal the kernel's whole process group, this server
+# included; an interrupt that lands while it is still importing would kill it with a
+# "Fatal Python error" on stderr. The server ignores SIGINT anyway once it serves, and ranks
+# leave interrupts to the kernel.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 for _name in (
     "torch",

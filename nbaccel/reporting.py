@@ -32,6 +32,8 @@ _MAX_BACKLOG = 10_000  # logged metrics held while the kernel is behind; the old
 
 _bar_ids = itertools.count()
 _backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
+_pending: dict[str, tuple[int | None, Any]] = {}  # name -> latest (step, value) not yet sent
+_metrics_sent_at = 0.0
 
 
 def _send(event: events.Event, block: bool) -> bool:
@@ -225,11 +227,23 @@ def _as_float(name: str, value: Any) -> float:
         ) from None
 
 
+def _held(name: str, value: Any) -> Any:
+    """What to keep of a logged value until it is sent: numbers as floats, one-element tensors
+    detached but not read (``.item()`` on a GPU tensor waits for the device, so it is done only
+    for values that are actually sent)."""
+    if hasattr(value, "detach") and hasattr(value, "numel"):
+        if value.numel() != 1:
+            raise TypeError(f"log() needs numbers; {name} is a tensor of {value.numel()} elements.")
+        return value.detach()
+    return _as_float(name, value)
+
+
 def log(values: dict[str, Any], step: int | None = None) -> None:
     """Record metrics for this rank (shown in the dashboard's chart); a no-op outside a launch.
 
-    Values may be numbers or one-element tensors. Never blocks: while the kernel is behind,
-    entries wait in a bounded buffer and go with the next call.
+    Values may be numbers or one-element tensors. Cheap enough to call every step: the latest
+    value of each name is sent at most ``EMIT_INTERVAL`` apart (a faithful sample of the curve),
+    and sending never waits for a busy kernel.
 
     Example::
 
@@ -240,10 +254,26 @@ def log(values: dict[str, Any], step: int | None = None) -> None:
         return
     if not isinstance(values, dict):
         raise TypeError(f"log() takes a dict of name -> number, got {type(values).__name__}.")
-    clean = {str(k): _as_float(str(k), v) for k, v in values.items()}
-    clean = {k: v for k, v in clean.items() if not math.isnan(v)} or clean
-    _backlog.append(events.Metrics(rank=rank, step=step, values=clean))
-    _drain(block=False)
+    for name, value in values.items():
+        _pending[str(name)] = (step, _held(str(name), value))
+    global _metrics_sent_at
+    now = time.monotonic()
+    if now - _metrics_sent_at >= EMIT_INTERVAL:
+        _metrics_sent_at = now
+        _ship(rank, block=False)
+
+
+def _ship(rank: int, block: bool) -> None:
+    """Turn the pending values into events (one per step) and send what the pipe takes."""
+    by_step: dict[int | None, dict[str, float]] = {}
+    for name, (step, value) in _pending.items():
+        number = _as_float(name, value)
+        if not math.isnan(number):
+            by_step.setdefault(step, {})[name] = number
+    _pending.clear()
+    for step, numbers in by_step.items():
+        _backlog.append(events.Metrics(rank=rank, step=step, values=numbers))
+    _drain(block=block)
 
 
 def _drain(block: bool) -> None:
@@ -255,8 +285,10 @@ def _drain(block: bool) -> None:
 
 def flush() -> None:
     """Send metrics still held back (waiting for the kernel if it must). The rank's entry point
-    should call this before it reports its result."""
-    _drain(block=True)
+    calls this before it reports its result."""
+    rank = events.current_rank()
+    if rank is not None:
+        _ship(rank, block=True)
 
 
 # -- tqdm ------------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def _loop(steps):
     for i in nbaccel.progress(range(steps), desc="fit", unit_scale=16):
         if i % 1000 == 0:
             nbaccel.log({"loss": 1.0 / (i + 1)}, step=i)
+        if i == 10_500:
+            nbaccel.log({"val_acc": 0.5}, step=i)  # logged once: must not be lost
     return sent.count("Progress"), time.monotonic() - start
 
 
@@ -102,7 +104,12 @@ def test_progress_under_launch_reports_final_state_with_few_events():
         )
         # ~10 a second plus the first and the final one, however fast the loop.
         assert progress_events <= 10 * seconds + 3, (progress_events, seconds)
-        assert [s for s, _ in r.history] == list(range(0, 20_000, 1000))
+        # Metrics are sampled at the same rate: the first, the last, and every name at least once.
+        steps = [s for s, values in r.history if "loss" in values]
+        assert steps[0] == 0 and steps[-1] == 19_000 and steps == sorted(steps)
+        assert set(steps) <= set(range(0, 20_000, 1000))
+        assert len(r.history) <= 10 * seconds + 4
+        assert r.metrics["val_acc"] == 0.5
 
 
 def _tqdm_loop(install):

@@ -44,23 +44,21 @@ def format_rate(rank: RankState) -> str:
     return f" {bar.rate:.1f} it/s{samples}"
 
 
-def _rows(state: LaunchState) -> list[list[str]]:
+def _table(state: LaunchState) -> tuple[list[str], list[list[str]]]:
+    """Header and rows; the progress and metrics columns only where some rank has them."""
+    ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
+    with_progress = any(r.bars for r in ranks)
+    with_metrics = any(r.metrics for r in ranks)
+    header = ["rank", "status"] + ["progress"] * with_progress + ["elapsed"]
+    header += ["metrics"] * with_metrics
     rows = []
-    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+    for rank in ranks:
         status = rank.status + (f" ({rank.error_line})" if rank.error_line else "")
-        rows.append(
-            [
-                str(rank.rank),
-                status,
-                format_progress(rank),
-                format_seconds(rank.elapsed),
-                format_metrics(rank.metrics) or "-",
-            ]
-        )
-    return rows
-
-
-HEADER = ["rank", "status", "progress", "elapsed", "metrics"]
+        row = [str(rank.rank), status]
+        row += [format_progress(rank)] * with_progress + [format_seconds(rank.elapsed)]
+        row += [format_metrics(rank.metrics) or "-"] * with_metrics
+        rows.append(row)
+    return header, rows
 
 
 def headline(state: LaunchState) -> str:
@@ -70,8 +68,9 @@ def headline(state: LaunchState) -> str:
 
 def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None) -> str:
     """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too."""
-    rows = [HEADER, *_rows(state)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    header, body = _table(state)
+    rows = [header, *body]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [headline(state)]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for rank, tail in sorted((outputs or {}).items()):
@@ -98,9 +97,10 @@ def summary_html(
 ) -> str:
     """The table as static HTML; optionally the metric charts (SVG) and each rank's output in a
     collapsed ``<details>``, so a saved notebook keeps what the live dashboard showed."""
-    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>" for h in HEADER)
+    header, rows = _table(state)
+    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>" for h in header)
     body = []
-    for cells, rank in zip(_rows(state), sorted(state.ranks.values(), key=lambda r: r.rank)):
+    for cells, rank in zip(rows, sorted(state.ranks.values(), key=lambda r: r.rank)):
         colour = STATUS_COLOURS.get(rank.status, "inherit")
         tds = "".join(
             f"<td style='padding:2px 10px;{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
