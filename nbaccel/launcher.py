@@ -71,6 +71,7 @@ def notebook_launcher(
 
         nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)   # -> 0
     """
+    _refuse_nested_launch()
     if not callable(function):
         raise TypeError(
             f"function must be callable (the training function to run on every rank), "
@@ -149,6 +150,18 @@ def notebook_launcher(
 
 
 # -- validation -----------------------------------------------------------------------------
+
+
+def _refuse_nested_launch() -> None:
+    """A rank that launches would start ranks of ranks; say what to do instead."""
+    if os.environ.get("NBACCEL_LAUNCHER") or os.environ.get("TORCHELASTIC_RUN_ID"):
+        rank = os.environ.get("RANK", "?")
+        raise RuntimeError(
+            f"notebook_launcher() was called inside rank {rank} of a running launch, which "
+            "would start ranks of ranks. Call the training function directly here; in a script, "
+            "guard the launcher call with `if __name__ == '__main__'` (nbaccel export writes "
+            "such a guard)."
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

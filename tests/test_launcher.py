@@ -284,3 +284,12 @@ def test_destroying_the_group_before_returning_never_hangs():
         for _ in range(20)
     }
     assert len(results) == 1  # and every launch finished
+
+
+def launch_from_inside():
+    return nbaccel.notebook_launcher(report_environment, num_processes=1)
+
+
+def test_launching_from_inside_a_rank_is_refused():
+    with pytest.raises(RankFailedError, match="called inside rank 0 of a running launch"):
+        nbaccel.notebook_launcher(launch_from_inside, num_processes=1)
