@@ -2,7 +2,7 @@
 
     .venv/bin/python gpu_checks/check_cuda.py
 
-Checks, in under 3 minutes: NCCL DDP (one GPU per rank) gives the same weights as one process
+Checks, in under 3 minutes: launching after this process initialised CUDA; NCCL DDP (one GPU per rank) gives the same weights as one process
 with the whole batch; bf16 and fp16 autocast train; fp8 through torchao trains where the GPU
 (compute capability 8.9+) and torchao allow, and otherwise fails with the documented message.
 Prints one line per check and exits non-zero if any failed.
@@ -23,6 +23,27 @@ import torch  # noqa: E402
 
 import nbaccel  # noqa: E402
 from tests.test_accelerator_training import train_linear, train_mixed  # noqa: E402
+
+
+def _cuda_rank_report() -> dict:
+    import os
+
+    import torch
+
+    x = torch.ones(1, device=f"cuda:{int(os.environ['LOCAL_RANK'])}")
+    return {"rank": int(os.environ["RANK"]), "sum": float(x.sum())}
+
+
+def check_launch_after_cuda_init() -> str:
+    """The launcher's promise: ranks start fine after the launching process touched CUDA."""
+    torch.zeros(1, device="cuda")
+    assert torch.cuda.is_initialized()
+    n = min(torch.cuda.device_count(), 2)
+    reports = nbaccel.notebook_launcher(
+        _cuda_rank_report, num_processes=n, return_all=True, progress="text", timeout=120
+    )
+    assert [r["rank"] for r in reports] == list(range(n)) and all(r["sum"] == 1.0 for r in reports)
+    return f"{n} rank(s) used CUDA after the parent initialised it (forkserver)"
 
 
 def check_ddp_nccl() -> str:
@@ -91,6 +112,7 @@ def main() -> int:
         f"{torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability()}"
     )
     checks = [
+        ("launch after cuda init", check_launch_after_cuda_init),
         ("ddp/nccl", check_ddp_nccl),
         ("bf16", lambda: check_autocast("bf16")),
         ("fp16", lambda: check_autocast("fp16")),
