@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -36,6 +37,75 @@ def _errors(section: dict[str, Any]) -> list[str]:
     return notes
 
 
+def _section(
+    section: dict[str, Any],
+    title: str,
+    header: list[str],
+    row: Callable[[str, dict[str, Any]], list[str]],
+    before: list[str] = (),
+    after: list[str] = (),
+) -> list[str]:
+    """One results section as markdown: title, table (unavailable contenders say why), notes."""
+    rows = [
+        _unavailable(name, e, len(header)) if "unavailable" in e else row(name, e)
+        for name, e in section["contenders"].items()
+    ]
+    return ["", title, *before, *_table(header, rows), *after, *_errors(section)]
+
+
+def _launch_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        _median(e, "first_launch_s"),
+        _median(e, "repeat_launch_s"),
+        _num(e.get("first_launch_vs_nbaccel"), "{:.2f}×"),
+        _num(e.get("repeat_launch_vs_nbaccel"), "{:.2f}×"),
+    ]
+
+
+def _steps_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        e["description"],
+        _median(e, "steps_per_s", "{:.1f}"),
+        _num(e.get("vs_raw"), "{:.3f}"),
+        _num(e.get("vs_raw_paired"), "{:.3f}"),
+    ]
+
+
+def _iopub_row(name: str, e: dict[str, Any]) -> list[str]:
+    kb = (e.get("bytes_per_s") or {}).get("median")
+    return [
+        name,
+        _median(e, "msgs_per_s", "{:.1f}"),
+        _num(None if kb is None else kb / 1024, "{:.1f}"),
+        _median(e, "messages_per_run", "{:.0f}"),
+        ", ".join(f"{k}: {v}" for k, v in e.get("by_type_last_run", {}).items()),
+    ]
+
+
+def _failure_row(name: str, e: dict[str, Any]) -> list[str]:
+    named = e.get("names_rank_error")
+    return [
+        name,
+        _median(e, "seconds"),
+        e.get("exception", "–"),
+        "–" if named is None else ("yes" if named else "no"),
+    ]
+
+
+def _rss_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        _num(e.get("rss_after_first_mib"), "{:.1f}"),
+        _num(e.get("growth_mib"), "{:+.1f}"),
+        _num(e.get("growth_per_launch_kib"), "{:+.0f}"),
+    ]
+
+
+def _gpu_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [name, _median(e, "step_s", "{:.5f}"), _num(e.get("vs_autocast_bf16"))]
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["machine"]
     out = [
@@ -48,27 +118,10 @@ def render(results: dict[str, Any]) -> str:
         + f". Load average at start: {m.get('load_average_at_start')}. Medians; "
         "`python -m benchmarks` regenerates this file.",
     ]
-    s = results.get("launch")
-    if s:
-        out += [
-            "",
+    if s := results.get("launch"):
+        out += _section(
+            s,
             "## 1. Launch cell start → every rank's first optimizer step (s, lower is better)",
-        ]
-        rows = []
-        for name, e in s["contenders"].items():
-            if "unavailable" in e:
-                rows.append(_unavailable(name, e, 5))
-                continue
-            rows.append(
-                [
-                    name,
-                    _median(e, "first_launch_s"),
-                    _median(e, "repeat_launch_s"),
-                    _num(e.get("first_launch_vs_nbaccel"), "{:.2f}×"),
-                    _num(e.get("repeat_launch_vs_nbaccel"), "{:.2f}×"),
-                ]
-            )
-        out += _table(
             [
                 "launcher",
                 "first launch in a fresh kernel",
@@ -76,101 +129,48 @@ def render(results: dict[str, Any]) -> str:
                 "first ÷ nbaccel",
                 "repeated ÷ nbaccel",
             ],
-            rows,
+            _launch_row,
         )
-        out += _errors(s)
-    s = results.get("steps")
-    if s:
-        out += ["", f"## 2. Training steps per second ({s['steps']} steps, higher is better)"]
-        rows = []
-        for name, e in s["contenders"].items():
-            if "unavailable" in e:
-                rows.append(_unavailable(name, e, 4))
-                continue
-            rows.append(
-                [
-                    e["description"],
-                    _median(e, "steps_per_s", "{:.1f}"),
-                    _num(e.get("vs_raw"), "{:.3f}"),
-                    _num(e.get("vs_raw_paired"), "{:.3f}"),
-                ]
-            )
-        out += _table(["loop", "steps/s", "÷ raw (medians)", "÷ raw (paired runs)"], rows)
-        out += [f"Target (dashboard within 3% of raw DDP) met: {s.get('target_met')}"]
-        out += _errors(s)
-    s = results.get("iopub")
-    if s:
-        out += ["", f"## 3. iopub traffic to the notebook during a {s['steps']}-step loop"]
-        rows = []
-        for name, e in s["contenders"].items():
-            if "unavailable" in e:
-                rows.append(_unavailable(name, e, 5))
-                continue
-            kb = (e.get("bytes_per_s") or {}).get("median")
-            rows.append(
-                [
-                    name,
-                    _median(e, "msgs_per_s", "{:.1f}"),
-                    _num(None if kb is None else kb / 1024, "{:.1f}"),
-                    _median(e, "messages_per_run", "{:.0f}"),
-                    ", ".join(f"{k}: {v}" for k, v in e.get("by_type_last_run", {}).items()),
-                ]
-            )
-        out += _table(["view", "messages/s", "KiB/s", "messages per run", "types (last run)"], rows)
-        out += _errors(s)
-    s = results.get("failure")
-    if s:
-        out += ["", "## 4a. A rank raises → the cell raises (s, lower is better)"]
-        rows = []
-        for name, e in s["contenders"].items():
-            if "unavailable" in e:
-                rows.append(_unavailable(name, e, 4))
-                continue
-            named = e.get("names_rank_error")
-            rows.append(
-                [
-                    name,
-                    _median(e, "seconds"),
-                    e.get("exception", "–"),
-                    "–" if named is None else ("yes" if named else "no"),
-                ]
-            )
-        out += _table(
-            ["launcher", "seconds", "exception in the cell", "shows the rank's error"], rows
+    if s := results.get("steps"):
+        out += _section(
+            s,
+            f"## 2. Training steps per second ({s['steps']} steps, higher is better)",
+            ["loop", "steps/s", "÷ raw (medians)", "÷ raw (paired runs)"],
+            _steps_row,
+            after=[f"Target (dashboard within 3% of raw DDP) met: {s.get('target_met')}"],
         )
-        out += _errors(s)
-    s = results.get("rss")
-    if s:
-        out += ["", f"## 4b. Kernel RSS over {s['launches']} launches"]
-        rows = []
-        for name, e in s["contenders"].items():
-            if "unavailable" in e:
-                rows.append(_unavailable(name, e, 4))
-                continue
-            rows.append(
-                [
-                    name,
-                    _num(e.get("rss_after_first_mib"), "{:.1f}"),
-                    _num(e.get("growth_mib"), "{:+.1f}"),
-                    _num(e.get("growth_per_launch_kib"), "{:+.0f}"),
-                ]
-            )
-        out += _table(
-            ["launcher", "RSS after launch 1 (MiB)", "growth (MiB)", "per launch (KiB)"], rows
+    if s := results.get("iopub"):
+        out += _section(
+            s,
+            f"## 3. iopub traffic to the notebook during a {s['steps']}-step loop",
+            ["view", "messages/s", "KiB/s", "messages per run", "types (last run)"],
+            _iopub_row,
         )
-        out += _errors(s)
+    if s := results.get("failure"):
+        out += _section(
+            s,
+            "## 4a. A rank raises → the cell raises (s, lower is better)",
+            ["launcher", "seconds", "exception in the cell", "shows the rank's error"],
+            _failure_row,
+        )
+    if s := results.get("rss"):
+        out += _section(
+            s,
+            f"## 4b. Kernel RSS over {s['launches']} launches",
+            ["launcher", "RSS after launch 1 (MiB)", "growth (MiB)", "per launch (KiB)"],
+            _rss_row,
+        )
     s = results.get("gpu")
     if s is not None:
-        out += ["", "## 5. GPU mixed precision (one GPU)"]
+        title = "## 5. GPU mixed precision (one GPU)"
         if "skipped" in s:
-            out += [f"Skipped: {s['skipped']}"]
+            out += ["", title, f"Skipped: {s['skipped']}"]
         else:
-            rows = []
-            for name, e in s["contenders"].items():
-                if "unavailable" in e:
-                    rows.append(_unavailable(name, e, 3))
-                    continue
-                rows.append([name, _median(e, "step_s", "{:.5f}"), _num(e.get("vs_autocast_bf16"))])
-            out += [f"{s['device']}, {s['model']}"]
-            out += _table(["precision", "s/step", "÷ plain autocast bf16"], rows)
+            out += _section(
+                s,
+                title,
+                ["precision", "s/step", "÷ plain autocast bf16"],
+                _gpu_row,
+                before=[f"{s['device']}, {s['model']}"],
+            )
     return "\n".join(out) + "\n"
