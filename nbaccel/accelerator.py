@@ -20,19 +20,18 @@ Example::
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import functools
 import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from nbaccel import checkpoint, data, ops, reporting
+from nbaccel import checkpoint, data, reporting
+from nbaccel.accelerator_processes import ProcessControl
 from nbaccel.config import (
     ENV_GRADIENT_ACCUMULATION_STEPS,
     ENV_MIXED_PRECISION,
@@ -47,7 +46,7 @@ from nbaccel.strategies import PreparedOptimizer, PreparedScheduler, select_stra
 _PREPARED = "_nbaccel_prepared"
 
 
-class Accelerator:
+class Accelerator(ProcessControl):
     """Training on whatever this process was launched on: kernel, notebook_launcher, torchrun.
 
     Arguments left as ``None`` take the launcher's settings (``NBACCEL_*`` variables), else the
@@ -190,7 +189,12 @@ class Accelerator:
         return loader
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Convert for the precision, place on the device, wrap for the strategy."""
+        """Convert for the precision, place on the device, wrap for the strategy.
+
+        Example::
+
+            model = accelerator.prepare_model(model)   # prepare() does this for modules
+        """
         model = self._precision.convert_module(model)
         wrapped = self._strategy.setup_module(model)
         if self._precision.name != "no":
@@ -209,7 +213,12 @@ class Accelerator:
         return wrapped
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict``/``load_state_dict`` in save_state/load_state."""
+        """Include objects with ``state_dict``/``load_state_dict`` in save_state/load_state.
+
+        Example::
+
+            accelerator.register_for_checkpointing(ema)   # saved and restored with the rest
+        """
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(
@@ -221,7 +230,13 @@ class Accelerator:
     # -- training step --------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()`` with fp16 loss scaling and division for gradient accumulation."""
+        """``loss.backward()`` with fp16 loss scaling and division for gradient accumulation.
+
+        Example::
+
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)   # instead of loss.backward()
+        """
         if not self._models:
             raise RuntimeError(
                 "accelerator.backward() was called before any model was prepared; call "
@@ -232,7 +247,13 @@ class Accelerator:
         self._precision.backward(loss, **kwargs)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """The mixed-precision context (prepared models already run their forward in it)."""
+        """The mixed-precision context (prepared models already run their forward in it).
+
+        Example::
+
+            with accelerator.autocast():
+                loss = loss_fn(outputs, targets)   # a loss computed outside the model
+        """
         return self._precision.forward_context()
 
     @contextlib.contextmanager
@@ -241,6 +262,13 @@ class Accelerator:
 
         Gradients are synchronised (and optimizer/scheduler step) only on the last micro-step
         of each group, and on the last batch of a prepared DataLoader.
+
+        Example::
+
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_fn(model(x), y))
+                optimizer.step()        # a real step every gradient_accumulation_steps
+                optimizer.zero_grad()
         """
         gs = self._gs
         gs.micro_step += 1
@@ -254,7 +282,13 @@ class Accelerator:
             yield
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        """Skip gradient synchronisation for backward passes inside this context."""
+        """Skip gradient synchronisation for backward passes inside this context.
+
+        Example::
+
+            with accelerator.no_sync(model):
+                accelerator.backward(loss)   # gradients stay local until the next synced backward
+        """
         return self._strategy.no_sync(model)
 
     def _unscale(self) -> None:
@@ -262,98 +296,60 @@ class Accelerator:
             self._precision.unscale_(opt.optimizer)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware)."""
+        """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware).
+
+        Example::
+
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            optimizer.step()
+        """
         if not self._gs.sync_gradients:
             return None  # gradients are partial mid-accumulation; clip once they are complete
         self._unscale()
         return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16)."""
+        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16).
+
+        Example::
+
+            accelerator.clip_grad_value_(model.parameters(), clip_value=0.5)
+        """
         if self._gs.sync_gradients:
             self._unscale()
             torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    # -- collectives ----------------------------------------------------------------------
-
-    gather = staticmethod(ops.gather)
-    gather_object = staticmethod(ops.gather_object)
-    pad_across_processes = staticmethod(ops.pad_across_processes)
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Sum (default) or average tensors over the ranks."""
-        return ops.reduce(tensor, reduction, scale)
-
-    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
-        """Every rank gets ``from_process``'s tensors."""
-        return ops.broadcast(tensor, from_process)
-
-    def gather_for_metrics(self, input_data: Any) -> Any:
-        """Gather, then drop samples that were duplicated to even out the last batch, so metrics
-        over N ranks equal metrics over the whole dataset."""
-        tensors = []
-        ops.recursively_apply(tensors.append, input_data)
-        gathered = ops.gather(input_data) if tensors else ops.gather_object(input_data)
-        keep = self._gs.remainder if self._gs.at_loader_end else None
-        if keep is None:
-            return gathered
-        if not tensors:
-            return gathered[:keep]
-        return ops.recursively_apply(lambda t: t[:keep], gathered)
-
-    # -- process control ------------------------------------------------------------------
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only, through ``sys.stdout``."""
-        if self.is_main_process:
-            kwargs.setdefault("file", sys.stdout)
-            builtins.print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        """Block until every rank reaches this line."""
-        ops.barrier()
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Run the block on the main process first (e.g. to download), then on the others."""
-        if not self.is_main_process:
-            ops.barrier()
-        yield
-        if self.is_main_process:
-            ops.barrier()
-
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """Decorator: the function only runs on the main process (returns None elsewhere)."""
-
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
-
-        return wrapper
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Yield this rank's contiguous share of a list/tuple/tensor/dict of equal-length values.
-
-        Shares differ by at most one item; ``apply_padding`` repeats the last item so every
-        rank gets as many (then gather and cut to the input's length).
-        """
-        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
-
     # -- models and checkpoints -----------------------------------------------------------
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> Any:
-        """The user's module without DDP (FSDP modules are returned as they are)."""
+        """The user's module without DDP (FSDP modules are returned as they are).
+
+        Example::
+
+            return accelerator.unwrap_model(model)   # a plain nn.Module for the kernel
+        """
         if not keep_fp32_wrapper and hasattr(model.forward, "__nbaccel_original__"):
             model.__dict__.pop("forward", None)  # back to the class's own forward
         return self._strategy.unwrap(model)
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        """The model's full state dict (FSDP shards are gathered; call it on every rank)."""
+        """The model's full state dict (FSDP shards are gathered; call it on every rank).
+
+        Example::
+
+            state = accelerator.get_state_dict(model)
+            accelerator.save(state, "model.pt")
+        """
         return self._strategy.model_state_dict(model)
 
     def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
-        """``torch.save`` on the main process only, atomically (never a truncated file)."""
+        """``torch.save`` on the main process only, atomically (never a truncated file).
+
+        Example::
+
+            accelerator.save(accelerator.get_state_dict(model), "checkpoints/model.pt")
+        """
         if self.is_main_process:
             checkpoint.atomic_save(obj, path)
 
@@ -369,30 +365,29 @@ class Accelerator:
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None) -> Path:
         """Save model, optimizer, scheduler, scaler, dataloader position and every rank's RNG
-        states. Call it on every rank."""
+        states. Call it on every rank.
+
+        Example::
+
+            if step == 5:
+                accelerator.save_state("checkpoints/step5")
+        """
         return checkpoint.save_state(self, self._checkpoint_dir(output_dir))
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None) -> Path:
-        """Restore a :meth:`save_state` folder into the prepared objects (every rank)."""
+        """Restore a :meth:`save_state` folder into the prepared objects (every rank).
+
+        Example::
+
+            accelerator.load_state("checkpoints/step5")   # then continue the loop
+        """
         return checkpoint.load_state(self, self._checkpoint_dir(input_dir))
 
     def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        """Send metrics to the launching kernel's dashboard (from every rank; no-op elsewhere)."""
+        """Send metrics to the launching kernel's dashboard (from every rank; no-op elsewhere).
+
+        Example::
+
+            accelerator.log({"loss": loss, "lr": scheduler.get_last_lr()[0]}, step=step)
+        """
         reporting.log(values, step=step)
-
-    def end_training(self) -> None:
-        """Wait for every rank; the launcher tears the process group down afterwards."""
-        ops.barrier()
-
-
-def _split(inputs: Any, world: int, rank: int, pad: bool) -> Any:
-    if isinstance(inputs, dict):
-        return {k: _split(v, world, rank, pad) for k, v in inputs.items()}
-    n = len(inputs)
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    part = inputs[start : start + base + (1 if rank < extra else 0)]
-    if pad and extra and rank >= extra and n:
-        last = inputs[-1:]
-        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + last
-    return part
