@@ -23,6 +23,7 @@ for _name in (
     "cloudpickle",
     "nbaccel._worker",
     "nbaccel.reporting",
+    "nbaccel._tqdm_hook",
 ):
     try:
         importlib.import_module(_name)

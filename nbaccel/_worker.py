@@ -24,7 +24,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel import _pickling, _torch_fixes, events, reporting
+from nbaccel import _pickling, _torch_fixes, _tqdm_hook, events, reporting
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
@@ -201,7 +201,7 @@ def _report_failure(exc: BaseException, rank: int) -> None:
 def _install_progress_hooks() -> None:
     """Let tqdm bars in the user's code report as this rank's progress (opt out: NBACCEL_TQDM=0)."""
     try:
-        reporting.install_worker_hooks()
+        _tqdm_hook.install_worker_hooks()
     except Exception as exc:  # noqa: BLE001 - never let reporting break training
         print(f"nbaccel: progress hooks not installed: {exc}", file=sys.stderr)
 

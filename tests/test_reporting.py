@@ -115,7 +115,7 @@ def test_progress_under_launch_reports_final_state_with_few_events():
 def _tqdm_loop(install):
 
     if install:
-        from nbaccel.reporting import install_worker_hooks
+        from nbaccel._tqdm_hook import install_worker_hooks
 
         install_worker_hooks()  # the rank entry point will do this itself
     import tqdm
