@@ -296,6 +296,10 @@ def _worker_env(
 ) -> dict[str, str]:
     """The kernel's environment now (the fork server's is older), plus the rendezvous."""
     env = dict(os.environ)
+    if "matplotlib_inline" in env.get("MPLBACKEND", "") or "ipykernel" in env.get("MPLBACKEND", ""):
+        # ipykernel points matplotlib at its inline backend; in a rank that would import
+        # IPython and try to display into a kernel the rank is not part of.
+        env["MPLBACKEND"] = "Agg"
     env.update({k: str(v) for k, v in (extra or {}).items()})
     env.update(cfg.worker_env())
     env.update(

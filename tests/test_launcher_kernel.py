@@ -135,3 +135,20 @@ def test_cuda_free_kernel_class_and_global_from_earlier_cells(kernel):
     )
     assert result.error is None, result.error_text
     assert result.results[-1]["text/plain"] == "[7, 14]"
+
+
+def test_ranks_do_not_inherit_the_inline_matplotlib_backend(kernel):
+    """ipykernel sets MPLBACKEND to its inline backend; ranks must not import IPython."""
+    result = kernel.execute(
+        cell("""
+        def plot():
+            import sys
+            import matplotlib.pyplot as plt
+            plt.plot([1, 2, 3])
+            return plt.get_backend(), "IPython" in sys.modules
+
+        nbaccel.notebook_launcher(plot, num_processes=1)
+    """)
+    )
+    assert result.error is None, result.error_text
+    assert result.results[-1]["text/plain"] == "('Agg', False)"
