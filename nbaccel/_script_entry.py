@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 
-from nbaccel import _torch_fixes
+from nbaccel import _torch_fixes, _tqdm_hook
 
 USAGE = "usage: python -m nbaccel._script_entry SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.pop(0)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     _torch_fixes.keep_destroyed_process_groups_alive()
+    # tqdm bars redraw with carriage returns, which garble per-rank labelled log lines; as
+    # nbaccel bars they print whole lines a few seconds apart instead (NBACCEL_TQDM=0: off).
+    _tqdm_hook.install_worker_hooks()
     try:
         _run(argv)
     except SystemExit as exc:

@@ -25,6 +25,7 @@ from nbaccel import events
 
 EMIT_INTERVAL = 0.1  # seconds between progress events of one bar (the final state always goes)
 TEXT_INTERVAL = 0.1  # seconds between redraws of the plain-text bar outside a launch
+LINE_INTERVAL = 2.0  # seconds between progress lines where the output is not a terminal
 _MAX_BACKLOG = 10_000  # logged metrics held while the kernel is behind; the oldest go first
 
 _bar_ids = itertools.count()
@@ -135,8 +136,8 @@ class ProgressBar:
     def _report(self, force: bool = False, closed: bool = False) -> None:
         now = time.monotonic()
         if self.rank is None:
-            self._draw_text(now, closed)
-            self._next_at = now + TEXT_INTERVAL
+            interactive = self._draw_text(now, closed)
+            self._next_at = now + (TEXT_INTERVAL if interactive else LINE_INTERVAL)
             return
         event = events.Progress(
             rank=self.rank,
@@ -153,17 +154,27 @@ class ProgressBar:
         _send(event, block=force)
         self._next_at = now + EMIT_INTERVAL
 
-    def _draw_text(self, now: float, closed: bool) -> None:
-        """Outside a launch: one line redrawn in place, like tqdm's plain bar."""
+    def _draw_text(self, now: float, closed: bool) -> bool:
+        """Outside a launch: on a terminal, one line redrawn in place like tqdm's plain bar;
+        into a pipe or file (logs, ``nbaccel launch``'s per-rank labels) whole lines, a few
+        seconds apart, since carriage returns would garble them. Reports which it drew."""
         stream = self._file or sys.stderr
         text = format_bar(self.n, self.total, self.desc, now - self._start, self.unit_scale)
-        pad = " " * max(0, self._width - len(text))
-        self._width = len(text)
         try:
-            stream.write("\r" + text + pad + ("\n" if closed else ""))
+            interactive = stream.isatty()
+        except (AttributeError, ValueError):
+            interactive = False
+        try:
+            if interactive:
+                pad = " " * max(0, self._width - len(text))
+                self._width = len(text)
+                stream.write("\r" + text + pad + ("\n" if closed else ""))
+            else:
+                stream.write(text + "\n")
             stream.flush()
         except (OSError, ValueError):
             pass
+        return interactive
 
 
 def format_bar(

@@ -175,3 +175,24 @@ def test_bad_input_starts_nothing(tmp_path):
     assert bad_file.returncode == 2
     assert f"{broken}, line 2: unknown key 'precision'" in bad_file.stderr
     assert "launching" not in bad_file.stdout
+
+
+def test_tqdm_bars_become_whole_labelled_lines(tmp_path):
+    """Carriage-return redraws would garble the per-rank labelled lines; bars print lines."""
+    script = tmp_path / "bars.py"
+    script.write_text(
+        "from tqdm import tqdm\nfor _ in tqdm(range(30), desc='work'):\n    pass\nprint('done')\n"
+    )
+    result = run_cli("launch", "--num_processes", "2", "bars.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = (result.stdout + result.stderr).splitlines()
+    labelled = [line for line in lines if line.startswith("[rank")]
+    for line in labelled:
+        label, _, text = line.partition("] ")
+        assert label in ("[rank0", "[rank1") and text.strip(), f"garbled line: {line!r}"
+        assert "[rank" not in text and "\r" not in text, f"two ranks on one line: {line!r}"
+    for rank in (0, 1):
+        assert any(
+            line.startswith(f"[rank{rank}] work: 100%") and "30/30" in line for line in lines
+        )
+        assert f"[rank{rank}] done" in lines
