@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import faulthandler
+import functools
 import io
 import multiprocessing
 import multiprocessing.util
@@ -46,7 +47,9 @@ class RankSpec:
     sources: dict[str, tuple] = dataclasses.field(default_factory=dict)
 
 
+@functools.cache
 def _libc() -> Any:
+    # find_library runs ldconfig; a rank asks three times while it starts, so ask once.
     name = ctypes.util.find_library("c")
     return ctypes.CDLL(name, use_errno=True) if name else None
 
