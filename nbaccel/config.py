@@ -37,6 +37,10 @@ class ConfigError(ValueError):
     """A configuration value or file is wrong; the message says where and what to do."""
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting has the wrong type (a string where a number belongs, say)."""
+
+
 def default_config_path() -> Path:
     """Where the shared config file lives: ``$NBACCEL_CONFIG_FILE``, else the user config dir."""
     explicit = os.environ.get(ENV_CONFIG_FILE)
@@ -66,9 +70,11 @@ def normalize_mixed_precision(value: str | None) -> str:
     return check_choice("mixed_precision", value.lower(), MIXED_PRECISION_CHOICES)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """Return ``value`` if it is an integer of at least ``minimum``, else raise an error that
+    names the setting (a TypeError for a non-integer, a ValueError below the minimum)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}.")
+        raise ConfigTypeError(f"{name} must be an integer, got {value!r}.")
     if value < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {value}.")
     return value
@@ -105,21 +111,21 @@ class LaunchConfig:
     def validate(self) -> LaunchConfig:
         """Raise :class:`ConfigError` naming the first bad field; return self otherwise."""
         if self.num_processes is not None:
-            _check_int("num_processes", self.num_processes, 1)
+            check_int("num_processes", self.num_processes, 1)
         self.mixed_precision = normalize_mixed_precision(self.mixed_precision)
         check_choice("strategy", self.strategy, STRATEGY_CHOICES)
         check_choice("rdzv_backend", self.rdzv_backend, RDZV_BACKEND_CHOICES)
         check_choice("start_method", self.start_method, START_METHOD_CHOICES)
-        _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
-        _check_int("num_machines", self.num_machines, 1)
-        _check_int("machine_rank", self.machine_rank, 0)
-        _check_int("max_restarts", self.max_restarts, 0)
+        check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        check_int("num_machines", self.num_machines, 1)
+        check_int("machine_rank", self.machine_rank, 0)
+        check_int("max_restarts", self.max_restarts, 0)
         if self.machine_rank >= self.num_machines:
             raise ConfigError(
                 f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}."
             )
         if self.main_process_port is not None:
-            _check_int("main_process_port", self.main_process_port, 1)
+            check_int("main_process_port", self.main_process_port, 1)
             if self.main_process_port > 65535:
                 raise ConfigError(f"main_process_port={self.main_process_port} is not a port.")
         if not isinstance(self.main_process_ip, str) or not self.main_process_ip:

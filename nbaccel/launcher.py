@@ -17,13 +17,7 @@ from typing import Any
 
 from nbaccel import _pickling, hardware
 from nbaccel._worker import RankSpec
-from nbaccel.config import (
-    START_METHOD_CHOICES,
-    ConfigError,
-    LaunchConfig,
-    check_choice,
-    normalize_mixed_precision,
-)
+from nbaccel.config import ConfigError, LaunchConfig, check_int
 from nbaccel.launch_state import LaunchInfo, LaunchState, RankState
 from nbaccel.processes import RankGroup, ensure_server, resolve_start_method
 from nbaccel.relay import Relay, load_payload
@@ -79,8 +73,8 @@ def notebook_launcher(
         )
     cfg = _resolve_config(config, num_processes, mixed_precision, start_method)
     nprocs = _resolve_num_processes(cfg.num_processes)
-    _check_int("node_rank", node_rank, 0)
-    _check_int("num_nodes", num_nodes, 1)
+    check_int("node_rank", node_rank, 0)
+    check_int("num_nodes", num_nodes, 1)
     if node_rank >= num_nodes:
         raise ValueError(f"node_rank={node_rank} must be below num_nodes={num_nodes}.")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -164,30 +158,20 @@ def _refuse_nested_launch() -> None:
         )
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
-
-
 def _resolve_config(
     config: LaunchConfig | None, num_processes: Any, mixed_precision: Any, start_method: str
 ) -> LaunchConfig:
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config must be a nbaccel.LaunchConfig, got {type(config).__name__}.")
     base = config or LaunchConfig.load_default() or LaunchConfig()
-    check_choice("start_method", start_method, START_METHOD_CHOICES)
     changes: dict[str, Any] = {}
     if num_processes is not _UNSET:
-        if num_processes is not None:
-            _check_int("num_processes", num_processes, 1)
         changes["num_processes"] = num_processes
     if mixed_precision is not _UNSET:
-        changes["mixed_precision"] = normalize_mixed_precision(mixed_precision)
+        changes["mixed_precision"] = mixed_precision
     if start_method != "auto":
         changes["start_method"] = start_method
-    return dataclasses.replace(base, **changes)
+    return dataclasses.replace(base, **changes)  # LaunchConfig validates every field
 
 
 def _resolve_num_processes(requested: int | None) -> int:
