@@ -62,7 +62,9 @@ def __dir__() -> list[str]:
 
 def _warm_up_in_kernel() -> None:
     """Start the fork server now if this is an interactive kernel (not a rank, not a script)."""
-    if os.environ.get("NBACCEL_NO_WARMUP") or os.environ.get("NBACCEL_LAUNCHER"):
+    from nbaccel.config import ENV_LAUNCHER
+
+    if os.environ.get("NBACCEL_NO_WARMUP") or os.environ.get(ENV_LAUNCHER):
         return
     if "ipykernel" not in sys.modules:
         return

@@ -21,6 +21,7 @@ import time
 import traceback
 
 from nbaccel import _torch_fixes, _tqdm_hook
+from nbaccel.config import ENV_LAUNCHER
 
 USAGE = "usage: python -m nbaccel._script_entry SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the launcher
         if error_file:
             write_error_file(error_file, exc)
-        if not error_file or os.environ.get("NBACCEL_LAUNCHER") != "cli":
+        if not error_file or os.environ.get(ENV_LAUNCHER) != "cli":
             # Plain torchrun shows no summary of its own worth reading: print it here.
             sys.stderr.write(user_traceback(exc))
         return 1

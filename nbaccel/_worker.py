@@ -25,7 +25,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel import _pickling, _torch_fixes, _tqdm_hook, events, reporting
+from nbaccel import _pickling, _torch_fixes, _tqdm_hook, events, hardware, reporting
 
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
@@ -146,7 +146,7 @@ def _flush_all() -> None:
 def _set_thread_count(spec: RankSpec) -> None:
     """Share the CPU between local ranks instead of each starting one thread per core."""
     if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.local_world_size))
+        os.environ["OMP_NUM_THREADS"] = str(hardware.threads_per_rank(spec.local_world_size))
     try:
         import torch
 

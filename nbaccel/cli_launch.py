@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel import hardware
-from nbaccel.config import LaunchConfig
+from nbaccel.config import ENV_LAUNCHER, LaunchConfig
 from nbaccel.errors import RankFailedError
 
 # Global rank, like the notebook's TextView labels.
 LINE_PREFIX = "[rank${rank}] "
 ENTRY_MODULE = "nbaccel._script_entry"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
@@ -100,7 +99,8 @@ def _resolve_port(cfg: LaunchConfig) -> int:
         )
     from nbaccel.launcher import free_port
 
-    return free_port(cfg.main_process_ip if cfg.main_process_ip not in _LOOPBACK else "127.0.0.1")
+    loopback = cfg.main_process_ip in hardware.LOOPBACK_HOSTS
+    return free_port("127.0.0.1" if loopback else cfg.main_process_ip)
 
 
 def _check_target(args: argparse.Namespace) -> list[str]:
@@ -115,15 +115,15 @@ def _check_target(args: argparse.Namespace) -> list[str]:
 def _set_environment(cfg: LaunchConfig, nprocs: int) -> None:
     """Variables the ranks inherit (the agent passes os.environ on to them)."""
     os.environ.update(cfg.worker_env())
-    os.environ["NBACCEL_LAUNCHER"] = "cli"
+    os.environ[ENV_LAUNCHER] = "cli"
     os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = LINE_PREFIX
     os.environ["PYTHONUNBUFFERED"] = "1"  # lines reach the labelled output as they are printed
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun would force 1 thread and say so in a banner; share the cores out instead.
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
-    if cfg.main_process_ip in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(hardware.threads_per_rank(nprocs))
+    if cfg.main_process_ip in hardware.LOOPBACK_HOSTS:
         # Every "machine" is this host: keep gloo on loopback, as notebook launches do.
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", hardware.loopback_interface())
 
 
 def _quiet_elastic_logs() -> None:

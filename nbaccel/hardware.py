@@ -18,6 +18,18 @@ import shutil
 import subprocess
 import sys
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_interface() -> str:
+    """This machine's loopback network interface (what GLOO_SOCKET_IFNAME names)."""
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """CPU threads for each of ``local_ranks`` processes sharing this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
 
 @dataclasses.dataclass(frozen=True)
 class GPU:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbaccel import _pickling, hardware
 from nbaccel._worker import RankSpec
-from nbaccel.config import ConfigError, LaunchConfig, check_int
+from nbaccel.config import ENV_LAUNCHER, ConfigError, LaunchConfig, check_int
 from nbaccel.launch_state import LaunchInfo, LaunchState, RankState
 from nbaccel.processes import RankGroup, ensure_server, resolve_start_method
 from nbaccel.relay import Relay, load_payload
@@ -148,7 +147,7 @@ def notebook_launcher(
 
 def _refuse_nested_launch() -> None:
     """A rank that launches would start ranks of ranks; say what to do instead."""
-    if os.environ.get("NBACCEL_LAUNCHER") or os.environ.get("TORCHELASTIC_RUN_ID"):
+    if os.environ.get(ENV_LAUNCHER) or os.environ.get("TORCHELASTIC_RUN_ID"):
         rank = os.environ.get("RANK", "?")
         raise RuntimeError(
             f"notebook_launcher() was called inside rank {rank} of a running launch, which "
@@ -293,9 +292,9 @@ def _worker_env(
         NODE_RANK=str(info.node_rank),
         MASTER_ADDR=info.master_addr,
         MASTER_PORT=str(info.master_port),
-        NBACCEL_LAUNCHER="notebook",
     )
-    if info.world_size == info.num_processes and info.master_addr in ("127.0.0.1", "localhost"):
+    env[ENV_LAUNCHER] = "notebook"
+    if info.world_size == info.num_processes and info.master_addr in hardware.LOOPBACK_HOSTS:
         # One machine: keep gloo's sockets on the loopback interface.
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+        env.setdefault("GLOO_SOCKET_IFNAME", hardware.loopback_interface())
     return env
