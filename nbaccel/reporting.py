@@ -34,11 +34,6 @@ _pending: dict[str, tuple[int | None, Any]] = {}  # name -> latest (step, value)
 _metrics_sent_at = 0.0
 
 
-def _send(event: events.Event, block: bool) -> bool:
-    """Emit ``event`` unless ``block`` is False and the pipe is full; report whether it went."""
-    return events.emit(event, block=block)
-
-
 class ProgressBar:
     """A tqdm-like bar; see :func:`progress`. ``n`` counts steps, ``total`` may be ``None``."""
 
@@ -151,7 +146,7 @@ class ProgressBar:
         )
         if closed:
             flush()  # metrics logged before the bar ended arrive before it does
-        _send(event, block=force)
+        events.emit(event, block=force)
         self._next_at = now + EMIT_INTERVAL
 
     def _draw_text(self, now: float, closed: bool) -> bool:
@@ -286,7 +281,7 @@ def _ship(rank: int, block: bool) -> None:
 
 def _drain(block: bool) -> None:
     while _backlog:
-        if not _send(_backlog[0], block=block):
+        if not events.emit(_backlog[0], block=block):
             return
         _backlog.popleft()
 
