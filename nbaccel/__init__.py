@@ -6,7 +6,8 @@
 >>> nbaccel.notebook_launcher(train, num_processes=2)   # doctest: +SKIP
 0
 
-Heavy pieces (torch, the Accelerator) load on first use, so ``import nbaccel`` stays quick.
+Every public name loads on first use (PEP 562), so ``import nbaccel`` stays quick and a rank
+that imports it never loads the kernel side (launcher, relay, views, IPython, ipywidgets).
 In a notebook kernel the fork server starts warming up (importing torch) in the background at
 import, so the first launch is fast too; ``NBACCEL_NO_WARMUP=1`` turns that off.
 """
@@ -18,32 +19,25 @@ import os
 import sys
 from typing import Any
 
-from nbaccel.config import ConfigError, LaunchConfig
-from nbaccel.errors import LaunchError, LaunchTimeoutError, RankFailedError
-from nbaccel.launcher import notebook_launcher
-
 __version__ = "0.1.0"
 
-# Public names that are imported when first used: name -> module.
+# Public names, imported when first used: name -> module that defines it.
 _LAZY = {
-    "Accelerator": "nbaccel.accelerator",
-    "set_seed": "nbaccel.random",
-    "progress": "nbaccel.reporting",
-    "log": "nbaccel.reporting",
+    "notebook_launcher": "nbaccel.launch.launcher",
+    "LaunchConfig": "nbaccel.core.config",
+    "ConfigError": "nbaccel.core.config",
+    "LaunchError": "nbaccel.core.errors",
+    "LaunchTimeoutError": "nbaccel.core.errors",
+    "RankFailedError": "nbaccel.core.errors",
+    "Accelerator": "nbaccel.training.accelerator",
+    "set_seed": "nbaccel.training.random",
+    "progress": "nbaccel.rank.reporting",
+    "log": "nbaccel.rank.reporting",
     "configure": "nbaccel.ui.config_panel",
-    "hardware": "nbaccel.hardware",
+    "hardware": "nbaccel.core.hardware",
 }
 
-__all__ = [
-    "ConfigError",
-    "LaunchConfig",
-    "LaunchError",
-    "LaunchTimeoutError",
-    "RankFailedError",
-    "notebook_launcher",
-    "__version__",
-    *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -62,14 +56,14 @@ def __dir__() -> list[str]:
 
 def _warm_up_in_kernel() -> None:
     """Start the fork server now if this is an interactive kernel (not a rank, not a script)."""
-    from nbaccel.config import ENV_LAUNCHER
+    from nbaccel.core.config import ENV_LAUNCHER
 
     if os.environ.get("NBACCEL_NO_WARMUP") or os.environ.get(ENV_LAUNCHER):
         return
     if "ipykernel" not in sys.modules:
         return
     try:
-        from nbaccel.processes import ensure_server
+        from nbaccel.launch.forkserver import ensure_server
 
         ensure_server()
     except Exception:  # noqa: BLE001 - warming up is an optimisation; the launch will retry

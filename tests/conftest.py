@@ -20,7 +20,7 @@ def leftover_processes(
 ) -> list[psutil.Process]:
     """Descendants of ``root`` (default: this process) that are neither nbaccel's helpers
     (fork server, resource tracker) nor exempt, nor below an exempt process."""
-    from nbaccel.processes import helper_pids
+    from nbaccel.launch.forkserver import helper_pids
 
     root = root or psutil.Process()
     allowed = set(exempt) | LONG_LIVED
@@ -61,3 +61,15 @@ def no_leftover_processes():
     assert not left, (
         f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the notebooks that ``--nbval-lax`` collects from notebooks/ as slow (each runs in a
+    real kernel), then run every fast test before the slow ones so a quick failure shows up
+    first. The sort is stable: tests keep their order within each group, and so do a
+    notebook's cells, which share one kernel."""
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)

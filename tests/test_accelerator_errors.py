@@ -42,14 +42,32 @@ def test_unknown_strategy_and_precision_are_named():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_fp8_on_cpu_says_what_to_use():
-    with pytest.raises(ValueError, match="needs a CUDA GPU.*use mixed_precision='bf16' on CPU"):
+    with pytest.raises(ValueError, match="needs a CUDA GPU.*use 'bf16' on CPU"):
         Accelerator(mixed_precision="fp8")
 
 
-def test_split_batches_needs_a_divisible_batch_size_and_save_state_needs_a_folder():
+def split_loader(batch_size: int) -> tuple[int, list[int]]:
+    """In a rank: prepare a split-batches loader of 8 samples; its length and batch sizes."""
     acc = Accelerator(split_batches=True)
-    dl = acc.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=3))
-    assert len(dl) == 3 and dl.batch_size == 3  # one process: nothing to split
+    dl = acc.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=batch_size))
+    return len(dl), [len(batch) for (batch,) in dl]
+
+
+def test_split_batches_needs_a_batch_size_divisible_by_the_process_count():
+    run = nbaccel.notebook_launcher
+    # 4 splits over 2 ranks: two steps of 2 samples each per rank.
+    assert run(split_loader, args=(4,), num_processes=2, progress=False) == (2, [2, 2])
+    with pytest.raises(nbaccel.RankFailedError) as info:
+        run(split_loader, args=(3,), num_processes=2, progress=False)
+    assert info.value.exc_type == "builtins.ValueError"
+    assert "batch_size (3) to be a multiple of the number of processes (2)" in str(info.value)
+    # In the kernel (one process) every batch size divides: nothing to split.
+    assert split_loader(3) == (3, [3, 3, 2])
+
+
+def test_save_state_needs_a_folder():
+    acc = Accelerator()
+    acc.prepare(torch.nn.Linear(2, 1))
     with pytest.raises(ValueError, match="project_dir"):
         acc.save_state()
 
@@ -69,5 +87,18 @@ def test_launcher_settings_reach_the_accelerator_unless_overridden():
     assert settings_seen(None) == ("no", 1, "ddp", 1)  # in the kernel: defaults
 
 
-def test_log_is_a_no_op_outside_a_launch():
-    Accelerator().log({"loss": torch.tensor(0.5)}, step=1)  # must not raise
+def test_log_is_a_no_op_outside_a_launch(capfd, monkeypatch):
+    from nbaccel.core import events
+    from nbaccel.rank import reporting
+
+    sent = []
+    monkeypatch.setattr(events, "emit", lambda event, block=True: sent.append(event) or False)
+    acc = Accelerator()
+    capfd.readouterr()
+    assert events.current_rank() is None  # no event channel: this process is not a rank
+    for step in range(100):
+        assert acc.log({"loss": torch.tensor(0.5), "lr": 0.1}, step=step) is None
+    assert sent == []  # nothing sent...
+    assert reporting._pending == {} and len(reporting._backlog) == 0  # ...nor held to send later
+    assert events.current_rank() is None  # logging did not install a channel either
+    assert capfd.readouterr() == ("", "")  # and nothing printed instead

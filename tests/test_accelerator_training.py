@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbaccel
-from nbaccel.launcher import free_port
+from nbaccel.core.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -76,6 +76,7 @@ def _assert_same(a: dict, b: dict, atol: float) -> None:
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)
 
 
+@pytest.mark.slow
 def test_ddp_matches_one_process_in_kernel_launcher_and_torchrun(tmp_path):
     kernel = train_linear(16)  # called directly: one process, no process group
     assert kernel["world"] == 1 and kernel["distributed_type"] == "NO"

@@ -10,7 +10,10 @@ import pytest
 
 from tests import browser_helpers as bh
 
-pytestmark = pytest.mark.skipif(bh.missing() is not None, reason=str(bh.missing()))
+pytestmark = [
+    pytest.mark.slow,  # JupyterLab in a real browser
+    pytest.mark.skipif(bh.missing() is not None, reason=str(bh.missing())),
+]
 
 SETUP = """import nbaccel
 cfg = nbaccel.configure()"""
@@ -38,7 +41,7 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
     nb.cells = [nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(LAUNCH)]
     nbformat.write(nb, tmp_path / "launch.ipynb")
     config_file = tmp_path / "nbaccel.yaml"
-    from nbaccel.config import LaunchConfig
+    from nbaccel.core.config import LaunchConfig
 
     LaunchConfig(num_processes=2).save(config_file)  # the saved default the panel starts from
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import nbaccel
-from nbaccel.config import LaunchConfig
+from nbaccel.core.config import LaunchConfig
 from tests.test_cli_support import run_cli
 
 
@@ -53,7 +53,7 @@ def test_default_and_show(tmp_path):
     target = tmp_path / "sub" / "cfg.yaml"
     result = run_cli("config", "--default", "--config_file", str(target), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    expected = nbaccel.hardware.detect().gpu_count or 1
+    expected = nbaccel.core.hardware.detect().gpu_count or 1
     assert LaunchConfig.load(target).num_processes == expected
     shown = run_cli("config", "--show", "--config_file", str(target), cwd=tmp_path)
     assert shown.returncode == 0

@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 import sys
 
-from nbaccel.config import LaunchConfig
+import pytest
+
+from nbaccel.core.config import LaunchConfig
 from tests.test_cli_support import run_cli
 
 
+@pytest.mark.slow
 def test_env_report(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     LaunchConfig(num_processes=2, mixed_precision="bf16").save(cfg)
@@ -21,6 +24,7 @@ def test_env_report(tmp_path):
     assert f"- config file: {cfg}" in out and "mixed_precision: bf16" in out
 
 
+@pytest.mark.slow
 def test_env_reports_a_broken_config_instead_of_failing(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("num_procs: 2\n")
@@ -29,6 +33,7 @@ def test_env_reports_a_broken_config_instead_of_failing(tmp_path):
     assert "line 1: unknown key 'num_procs'" in result.stdout
 
 
+@pytest.mark.slow
 def test_demo_runs_two_ranks_and_prints_the_result(tmp_path):
     result = run_cli("demo", "--steps", "20", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -49,4 +54,4 @@ def test_console_script_entry_point():
     from importlib import metadata
 
     (entry,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "nbaccel"]
-    assert entry.value == "nbaccel.cli:main"
+    assert entry.value == "nbaccel.cli.main:main"

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from nbaccel.config import LaunchConfig
-from nbaccel.hardware import GPU, Hardware
+from nbaccel.core.config import LaunchConfig
+from nbaccel.core.hardware import GPU, Hardware
 from nbaccel.ui.config_panel import ConfigPanel, configure, precision_choices
 from tests.kernel_helpers import KernelSession
 
@@ -97,6 +97,7 @@ def kernel():
         yield k
 
 
+@pytest.mark.slow
 def test_panel_in_a_real_kernel_via_comm_messages(kernel, tmp_path):
     path = tmp_path / "default.yaml"
     cell = kernel.execute(f"import nbaccel\ncfg = nbaccel.configure({str(path)!r})")

@@ -9,7 +9,7 @@ import textwrap
 import nbformat
 import pytest
 
-from nbaccel.export import ExportError, export_notebook, notebook_to_script
+from nbaccel.cli.export import ExportError, export_notebook, notebook_to_script
 from tests.test_cli_support import processes_mentioning, run_cli
 
 TRAIN = textwrap.dedent(
@@ -135,6 +135,7 @@ def test_cli_export_errors_are_one_line(tmp_path):
     assert result.stderr.startswith("nbaccel export: error: no such notebook")
 
 
+@pytest.mark.slow
 def test_round_trip_same_final_loss(tmp_path):
     """The notebook run (real kernel) and `nbaccel launch` of its export agree exactly."""
     from tests.kernel_helpers import KernelSession

@@ -9,6 +9,9 @@ import sys
 import textwrap
 
 import psutil
+import pytest
+
+pytestmark = pytest.mark.slow  # every test runs python scripts that launch ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +110,7 @@ def test_ranks_die_with_the_launching_process(tmp_path):
 
 def test_two_nodes_on_one_host_form_one_world(tmp_path):
     """Two launching processes, one rank each, node_rank 0 and 1, meet on an explicit port."""
-    from nbaccel.launcher import free_port
+    from nbaccel.core.rendezvous import free_port
 
     port = free_port()
     script = tmp_path / "node.py"

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import nbaccel
-from nbaccel.launch_state import LaunchState
-from nbaccel.reporting import ProgressBar, format_bar, log, progress
+from nbaccel.core.launch_state import LaunchState
+from nbaccel.rank.reporting import ProgressBar, format_bar, log, progress
 
 
 class RecordingView:
@@ -70,7 +70,7 @@ def _loop(steps):
     import time
 
     import nbaccel
-    from nbaccel import events
+    from nbaccel.core import events
 
     sent = []
     original = events.emit
@@ -115,7 +115,7 @@ def test_progress_under_launch_reports_final_state_with_few_events():
 def _tqdm_loop(install):
 
     if install:
-        from nbaccel._tqdm_hook import install_worker_hooks
+        from nbaccel.rank.tqdm_hook import install_worker_hooks
 
         install_worker_hooks()  # the rank entry point will do this itself
     import tqdm

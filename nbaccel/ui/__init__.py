@@ -3,13 +3,15 @@
 A view gets the launch state and each rank's output lines; it decides how often to redraw.
 ``choose_view`` picks the widget dashboard where a widget frontend is attached and plain text
 everywhere else (nbclient/nbval, terminal IPython, scripts).
+
+May import: ``nbaccel.core``. Kernel side only: never imported inside a rank.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from nbaccel.launch_state import LaunchState
+from nbaccel.core.launch_state import LaunchState
 
 
 class View(Protocol):
@@ -33,7 +35,7 @@ def choose_view(progress: bool | str = True) -> View:
         return TextView(show_progress=False)
     if progress == "text":
         return TextView()
-    if progress == "widgets" or (progress is True and _widget_frontend()):
+    if progress == "widgets" or (progress is True and widget_frontend()):
         try:
             from nbaccel.ui.dashboard import Dashboard
         except ImportError:
@@ -42,7 +44,7 @@ def choose_view(progress: bool | str = True) -> View:
     return TextView()
 
 
-def _widget_frontend() -> bool:
+def widget_frontend() -> bool:
     """Whether a frontend that renders widgets is attached to this kernel.
 
     A kernel cannot ask its frontend, so this goes by who started it: Jupyter Server (JupyterLab,

@@ -2,7 +2,7 @@
 
 The choice logic (which precisions this machine can run, and why not) is plain functions, so it
 is testable without widgets and the text form shows the same facts. The form edits a live
-:class:`~nbaccel.config.LaunchConfig`: the object ``configure()`` returned changes as the user
+:class:`~nbaccel.core.config.LaunchConfig`: the object ``configure()`` returned changes as the user
 changes the widgets, so ``notebook_launcher(fn, config=cfg)`` in a later cell uses what is shown.
 """
 
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import importlib.util
 import os
 from typing import Any
 
-from nbaccel import hardware
-from nbaccel.config import MIXED_PRECISION_CHOICES, STRATEGY_CHOICES, ConfigError, LaunchConfig
+from nbaccel.core import capabilities, hardware
+from nbaccel.core.config import MIXED_PRECISION_CHOICES, STRATEGY_CHOICES, ConfigError, LaunchConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,50 +24,18 @@ class Choice:
     reason: str = ""  # why it is disabled; empty when enabled
 
 
-def torchao_available() -> bool:
-    """Whether torchao can be imported, found without importing it (and so without torch/CUDA)."""
-    try:
-        return importlib.util.find_spec("torchao") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _gpus_below(hw: hardware.Hardware, cc: tuple[int, int]) -> str:
-    slow = [g for g in hw.gpus if g.compute_capability < cc]
-    return ", ".join(
-        f"GPU {g.index} {g.name} has {g.compute_capability[0]}.{g.compute_capability[1]}"
-        for g in slow
-    )
-
-
 def precision_choices(hw: hardware.Hardware, torchao: bool | None = None) -> list[Choice]:
     """Each mixed-precision mode, enabled or not on ``hw``, with the reason when not.
 
     >>> [c.value for c in precision_choices(hardware.Hardware(cpu_count=2)) if c.enabled]
     ['no', 'fp16', 'bf16']
     """
-    torchao = torchao_available() if torchao is None else torchao
-    choices = [Choice("no", True), Choice("fp16", True)]
-    if hw.gpus and not all(g.supports_bf16 for g in hw.gpus):
-        choices.append(
-            Choice("bf16", False, f"bf16 needs compute capability 8.0+ ({_gpus_below(hw, (8, 0))})")
-        )
-    else:
-        choices.append(Choice("bf16", True))
-    if not hw.gpus:
-        choices.append(
-            Choice("fp8", False, "fp8 needs a CUDA GPU of compute capability 8.9+ and torchao")
-        )
-    elif not all(g.supports_fp8 for g in hw.gpus):
-        choices.append(
-            Choice("fp8", False, f"fp8 needs compute capability 8.9+ ({_gpus_below(hw, (8, 9))})")
-        )
-    elif not torchao:
-        choices.append(Choice("fp8", False, "fp8 needs torchao (pip install torchao)"))
-    else:
-        choices.append(Choice("fp8", True))
-    assert [c.value for c in choices] == list(MIXED_PRECISION_CHOICES)
-    return choices
+    torchao = capabilities.torchao_available() if torchao is None else torchao
+    verdicts = {
+        name: capabilities.precision_verdict(name, hw.gpus, torchao)
+        for name in MIXED_PRECISION_CHOICES
+    }
+    return [Choice(name, v.allowed, v.reason) for name, v in verdicts.items()]
 
 
 def max_processes(hw: hardware.Hardware) -> int:
@@ -138,7 +105,7 @@ class ConfigPanel:
     ) -> None:
         import ipywidgets as w
 
-        from nbaccel.config import default_config_path
+        from nbaccel.core.config import default_config_path
 
         self.config = config
         self.hw = hw
@@ -264,13 +231,13 @@ def configure(path: os.PathLike | str | None = None) -> LaunchConfig:
         cfg = nbaccel.configure()                    # pick bf16, 2 processes, ...
         nbaccel.notebook_launcher(train, config=cfg)  # in a later cell
     """
-    from nbaccel.config import default_config_path
-    from nbaccel.ui import _widget_frontend
+    from nbaccel.core.config import default_config_path
+    from nbaccel.ui import widget_frontend
 
     target = path if path is not None else default_config_path()
     cfg = LaunchConfig.load(target) if os.path.isfile(target) else LaunchConfig()
     hw = hardware.detect()
-    if _widget_frontend():
+    if widget_frontend():
         panel = ConfigPanel(cfg, hw, target)
         from IPython.display import display
 

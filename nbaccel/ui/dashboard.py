@@ -17,7 +17,7 @@ import html
 import time
 from typing import Any
 
-from nbaccel.launch_state import FAILED, LaunchState, RankState
+from nbaccel.core.launch_state import FAILED, LaunchState, RankState
 from nbaccel.ui.chart import metrics_charts
 from nbaccel.ui.summary import (
     STATUS_COLOURS,
@@ -177,7 +177,7 @@ class Dashboard:
         info = state.info
         devices = info.device
         if info.device == "cuda":
-            from nbaccel import hardware
+            from nbaccel.core import hardware
 
             gpus = hardware.detect().gpus[: info.num_processes]
             names = sorted({g.name for g in gpus})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from nbaccel.launch_state import LaunchState, RankState
+from nbaccel.core.launch_state import LaunchState, RankState
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from nbaccel.launch_state import LaunchState
+from nbaccel.core.launch_state import LaunchState
 from nbaccel.ui.summary import format_metrics, format_progress, summary_text
 
 

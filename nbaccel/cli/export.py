@@ -1,0 +1,256 @@
+"""``nbaccel export``: turn a notebook into a script that runs under ``nbaccel launch``.
+
+Code cells are written in order (``# %%`` markers keep them apart, as VS Code and jupytext read
+them); cells tagged ``skip-export`` are dropped; IPython magics (``%...``, ``%%...``) and shell
+escapes (``!...``, ``x = !...``) become comments. The ``notebook_launcher(fn, ...)`` statement,
+found with ``ast`` in either ``nbaccel.notebook_launcher`` or ``from nbaccel import
+notebook_launcher`` form, becomes a main guard.
+
+What the main guard does (the decision): under ``nbaccel launch`` or ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set) the process is already one rank, so it calls ``fn(*args, **kwargs)``
+directly; launching from inside a rank would start ranks of ranks. Under plain
+``python train.py`` it keeps the notebook's ``notebook_launcher`` call, so the script behaves
+as the notebook did (same processes, rank 0's result). A variable the notebook assigned the
+result to is assigned in both cases; under torchrun each rank gets its own return value, and
+code after the call runs on every rank, as in any torchrun script.
+
+Example::
+
+    >>> export_notebook("train.ipynb", "train.py")     # doctest: +SKIP
+    PosixPath('train.py')
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import textwrap
+from pathlib import Path
+
+from nbaccel.core.atomic import atomic_write
+
+SKIP_TAG = "skip-export"
+HEADER = "# Exported from {name} by `nbaccel export`; run it with: nbaccel launch {script}\n"
+_MARKER = "by `nbaccel export`"
+# Cell magics whose body is ordinary Python: keep the body, comment out the magic line.
+_PYTHON_CELL_MAGICS = {"time", "timeit", "capture", "prun"}
+_ASSIGNED_ESCAPE = re.compile(r"^[\w.,\s\[\]()*]+=\s*[!%]")
+_HELP = re.compile(r"^(\?{1,2}[\w.]+|[\w.]+\?{1,2})\s*$")  # `obj?`, `obj??`, `?obj`
+
+
+class ExportError(Exception):
+    """The notebook cannot be exported as asked; the message says why and what to do."""
+
+
+def _comment(line: str, why: str) -> str:
+    indent = line[: len(line) - len(line.lstrip())]
+    return f"{indent}# {line.strip()}  # ({why}, removed by nbaccel export)"
+
+
+def clean_cell(source: str) -> str:
+    """Remove IPython-only syntax from one cell's source (magics and shell escapes)."""
+    try:
+        ast.parse(source)
+        return source  # plain Python already (e.g. a `%` continuing an expression): keep it
+    except SyntaxError:
+        pass
+    lines = source.splitlines()
+    first = lines[0].strip() if lines else ""
+    if first.startswith("%%"):
+        magic = first[2:].split()[0] if first[2:].split() else ""
+        if magic in _PYTHON_CELL_MAGICS:
+            return "\n".join([_comment(lines[0], "cell magic"), *_clean_lines(lines[1:])])
+        return "\n".join(_comment(line, f"%%{magic} cell") for line in lines)
+    return "\n".join(_clean_lines(lines))
+
+
+def _clean_lines(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        stripped = line.lstrip()
+        if stripped.startswith(("%", "!")):
+            out.append(_comment(line, "IPython magic" if stripped[0] == "%" else "shell escape"))
+        elif _ASSIGNED_ESCAPE.match(stripped) or _HELP.match(stripped):
+            out.append(_comment(line, "IPython syntax"))
+        else:
+            out.append(line)
+    return out
+
+
+def _is_launcher_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name == "notebook_launcher"
+
+
+def _launcher_calls(tree: ast.Module) -> tuple[list[ast.stmt], list[int]]:
+    """Top-level statements that are (or assign) a launcher call; lines of nested ones."""
+    top, nested = [], []
+    for stmt in tree.body:
+        value = getattr(stmt, "value", None)
+        if isinstance(stmt, (ast.Expr, ast.Assign, ast.AnnAssign)) and _is_launcher_call(value):
+            top.append(stmt)
+            continue
+        nested += [n.lineno for n in ast.walk(stmt) if _is_launcher_call(n)]
+    return top, nested
+
+
+def _call_parts(call: ast.Call, source: str) -> tuple[str, str, str]:
+    """The function, args and kwargs expressions of a ``notebook_launcher`` call, as source."""
+
+    def seg(node: ast.AST) -> str:
+        return ast.get_source_segment(source, node) or ast.unparse(node)
+
+    keywords = {k.arg: k.value for k in call.keywords if k.arg}
+    fn = call.args[0] if call.args else keywords.get("function")
+    if fn is None:
+        raise ExportError("the notebook_launcher call names no function to run.")
+    args = call.args[1] if len(call.args) > 1 else keywords.get("args")
+    kwargs = keywords.get("kwargs")
+    return seg(fn), seg(args) if args is not None else "()", seg(kwargs) if kwargs else "{}"
+
+
+def main_guard(function: str, args: str, kwargs: str, launch_call: str, target: str) -> str:
+    """The code that replaces the launcher statement (see the module docstring)."""
+    assign = f"{target} = " if target else ""
+    return textwrap.dedent(
+        f"""\
+        def _nbaccel_main():
+            import os
+
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                # Started by `nbaccel launch` or torchrun: this process is one rank.
+                return {function}(*{args}, **{kwargs})
+            # Plain `python script.py`: start the ranks as the notebook did.
+            return {launch_call}
+
+
+        if __name__ == "__main__":
+            {assign}_nbaccel_main()"""
+    )
+
+
+def _read(notebook: Path):
+    import nbformat
+
+    try:
+        return nbformat.read(notebook, as_version=4)
+    except FileNotFoundError:
+        raise ExportError(f"no such notebook: {notebook}") from None
+    except Exception as exc:  # nbformat raises several kinds for a damaged file
+        raise ExportError(f"{notebook} is not a readable notebook: {exc}") from None
+
+
+def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = None) -> str:
+    """The script text for ``notebook`` (see the module docstring); raises :class:`ExportError`.
+
+    Example::
+
+        >>> print(notebook_to_script("train.ipynb"))    # doctest: +SKIP
+    """
+    path = Path(notebook)
+    nb = _read(path)
+    cells: list[tuple[int, str, ast.Module]] = []
+    for index, cell in enumerate(nb.cells, start=1):
+        if cell.cell_type != "code" or SKIP_TAG in cell.get("metadata", {}).get("tags", []):
+            continue
+        source = clean_cell(cell.source)
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as exc:
+            raise ExportError(
+                f"{path}, cell {index}, line {exc.lineno}: not valid Python after removing "
+                f"IPython syntax ({exc.msg}). Fix the cell or tag it '{SKIP_TAG}'."
+            ) from None
+        cells.append((index, source, tree))
+
+    found = []
+    for index, _source, tree in cells:
+        top, nested = _launcher_calls(tree)
+        if nested:
+            raise ExportError(
+                f"{path}, cell {index}, line {nested[0]}: notebook_launcher is called inside "
+                "a block; export only rewrites a call on its own line. Move it out of the block."
+            )
+        found += [(index, stmt) for stmt in top]
+    if len(found) > 1:
+        where = ", ".join(str(i) for i, _ in found)
+        raise ExportError(
+            f"{path} calls notebook_launcher in more than one place (cells {where}); tag the "
+            f"cells that should not be in the script '{SKIP_TAG}'."
+        )
+    if not found and not function:
+        raise ExportError(
+            f"{path} has no notebook_launcher(...) call, so the script would not know what to "
+            "run. Add one, or name the training function: nbaccel export NOTEBOOK --function train"
+        )
+
+    script_name = path.with_suffix(".py").name
+    parts = [HEADER.format(name=path.name, script=script_name)]
+    for index, source, _tree in cells:
+        launch = next((stmt for i, stmt in found if i == index), None)
+        if launch is not None:
+            source = _rewrite(source, launch, function)
+        parts.append(f"\n# %% [cell {index}]\n{source.rstrip()}\n")
+    if not found:
+        launch_call = f"nbaccel.notebook_launcher({function})"
+        guard = main_guard(function, "()", "{}", launch_call, "")
+        parts.append(f"\n# %% [added by nbaccel export]\nimport nbaccel\n\n\n{guard}\n")
+    return "".join(parts)
+
+
+def _rewrite(source: str, stmt: ast.stmt, function: str | None) -> str:
+    call = stmt.value
+    fn, args, kwargs = _call_parts(call, source)
+    if function and function != fn:
+        raise ExportError(
+            f"the notebook launches {fn}, not {function}; drop --function, or tag the "
+            f"launcher cell '{SKIP_TAG}' to run {function} instead."
+        )
+    if isinstance(stmt, ast.Assign):
+        target = " = ".join(
+            ast.get_source_segment(source, t) or ast.unparse(t) for t in stmt.targets
+        )
+    elif isinstance(stmt, ast.AnnAssign):
+        target = ast.get_source_segment(source, stmt.target) or ast.unparse(stmt.target)
+    else:
+        target = ""
+    launch_call = ast.get_source_segment(source, call) or ast.unparse(call)
+    guard = main_guard(fn, args, kwargs, launch_call, target)
+    lines = source.splitlines()
+    before, after = lines[: stmt.lineno - 1], lines[stmt.end_lineno :]
+    return "\n".join([*before, guard, *after])
+
+
+def export_notebook(
+    notebook: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    function: str | None = None,
+    force: bool = False,
+) -> Path:
+    """Write the script for ``notebook`` to ``output`` (default: the notebook's name, ``.py``).
+
+    A file that ``nbaccel export`` did not write is only replaced with ``force=True``. The write
+    is atomic, and nothing is written when the notebook cannot be exported.
+
+    Example::
+
+        >>> export_notebook("01_quickstart.ipynb", "train.py")   # doctest: +SKIP
+    """
+    text = notebook_to_script(notebook, function)
+    target = Path(output) if output else Path(notebook).with_suffix(".py")
+    if target.exists() and not force:
+        head = target.read_text(encoding="utf-8", errors="replace")[:300]
+        if _MARKER not in head:
+            raise ExportError(
+                f"{target} exists and was not written by nbaccel export; pass --force to "
+                "replace it, or choose another name with -o."
+            )
+    if output:  # the header names the script actually written
+        text = text.replace(Path(notebook).with_suffix(".py").name, target.name, 1)
+    with atomic_write(target, "w", encoding="utf-8") as f:
+        f.write(text)
+    return target

@@ -1,0 +1,208 @@
+"""``nbaccel launch``: run a script on N processes through torch.distributed.run.
+
+Settings come from the config file and the flags (flags win); they become arguments of
+torch.distributed.run's own parser and its ``run()`` is called in this process, so elastic's
+agent, rendezvous and restarts are torchrun's, not a copy. What nbaccel adds around it:
+
+* every rank runs ``nbaccel.rank.script_entry SCRIPT ARGS`` which records a failing rank's exception
+  in torch elastic's error file;
+* output is labelled ``[rankN] text`` like notebook launches (torch's tee + line prefix);
+* a failure ends with the notebook's summary (:class:`~nbaccel.core.errors.RankFailedError`: the rank,
+  its exception and traceback) instead of torchrun's ChildFailedError dump, and exit status 1;
+* a free port is picked for single-machine launches, OMP_NUM_THREADS is shared out between the
+  ranks, and NBACCEL_* variables carry precision, strategy and accumulation to ``Accelerator()``.
+
+Example::
+
+    $ nbaccel launch --num_processes 2 --mixed_precision bf16 train.py --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from nbaccel.core import hardware, rendezvous
+from nbaccel.core.config import LaunchConfig
+from nbaccel.core.errors import RankFailedError, UsageError
+from nbaccel.core.failures import describe_exit, describe_raise
+
+# Global rank, like the notebook's TextView labels.
+LINE_PREFIX = "[rank${rank}] "
+ENTRY_MODULE = "nbaccel.rank.script_entry"
+_STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
+
+
+def resolve_config(args: argparse.Namespace) -> LaunchConfig:
+    """The config file (``--config_file``, else the shared one if it exists) with flags applied."""
+    if args.config_file:
+        base = LaunchConfig.load(args.config_file)
+    else:
+        base = LaunchConfig.load_default() or LaunchConfig()
+    return base.replace(
+        num_processes=args.num_processes,
+        num_machines=args.num_machines,
+        machine_rank=args.machine_rank,
+        main_process_ip=args.main_process_ip,
+        main_process_port=args.main_process_port,
+        mixed_precision=args.mixed_precision,
+        strategy=args.strategy,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        rdzv_backend=args.rdzv_backend,
+        max_restarts=args.max_restarts,
+    )
+
+
+def torchrun_arguments(
+    cfg: LaunchConfig, nprocs: int, port: int, log_dir: str, target: list[str]
+) -> list[str]:
+    """The torch.distributed.run command line (without the program name) for this launch."""
+    argv = [
+        f"--nnodes={cfg.num_machines}",
+        f"--nproc-per-node={nprocs}",
+        f"--rdzv-backend={cfg.rdzv_backend}",
+        f"--max-restarts={cfg.max_restarts}",
+        # Workers write to files that the agent tails onto our stdout/stderr with LINE_PREFIX.
+        "--redirects=3",
+        "--tee=3",
+        f"--log-dir={log_dir}",
+    ]
+    if cfg.rdzv_backend == "static":
+        argv += [
+            f"--node-rank={cfg.machine_rank}",
+            f"--master-addr={cfg.main_process_ip}",
+            f"--master-port={port}",
+        ]
+    else:
+        # c10d numbers the machines itself; machine_rank is not needed.
+        argv += [f"--rdzv-endpoint={cfg.main_process_ip}:{port}", "--rdzv-id=nbaccel"]
+    return [*argv, "--module", ENTRY_MODULE, *target]
+
+
+def _resolve_port(cfg: LaunchConfig) -> int:
+    if cfg.main_process_port is not None:
+        return cfg.main_process_port
+    if cfg.num_machines > 1:
+        raise UsageError(
+            "--main_process_port is required when --num_machines is above 1: every machine "
+            "must be given the same port (e.g. --main_process_port 29500)."
+        )
+    loopback = cfg.main_process_ip in hardware.LOOPBACK_HOSTS
+    return rendezvous.free_port("127.0.0.1" if loopback else cfg.main_process_ip)
+
+
+def _check_target(args: argparse.Namespace) -> list[str]:
+    if args.module:
+        return ["-m", args.script, *args.script_args]
+    script = Path(args.script)
+    if not script.is_file():
+        raise UsageError(f"no such script: {args.script} (pass -m to run a module).")
+    return [str(script), *args.script_args]
+
+
+def _set_environment(cfg: LaunchConfig, nprocs: int) -> None:
+    """Variables the ranks inherit (the agent passes os.environ on to them)."""
+    one_machine = cfg.num_machines == 1 or cfg.main_process_ip in hardware.LOOPBACK_HOSTS
+    os.environ.update(
+        rendezvous.launcher_environment(cfg.worker_env(), "cli", cfg.main_process_ip, one_machine)
+    )
+    os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = LINE_PREFIX
+    os.environ["PYTHONUNBUFFERED"] = "1"  # lines reach the labelled output as they are printed
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would force 1 thread and say so in a banner; share the cores out instead.
+        os.environ["OMP_NUM_THREADS"] = str(hardware.threads_per_rank(nprocs))
+
+
+def _quiet_elastic_logs() -> None:
+    """torch elastic logs each worker's exit and its own SIGTERMs at WARNING/ERROR; the final
+    summary says the same more clearly. NBACCEL_DEBUG=1 keeps them."""
+    if os.environ.get("NBACCEL_DEBUG"):
+        return
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+
+
+def failure_from(failures: dict[int, Any], world_size: int) -> RankFailedError:
+    """Turn torch elastic's per-rank ``ProcessFailure`` records into the notebook's error."""
+    described = []
+    for rank, failure in failures.items():
+        message = failure.error_file_data.get("message") if failure.error_file_data else None
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        ours = extra.get("nbaccel") or {}
+        exc_type = ours.get("exc_type")
+        if exc_type:
+            summary = describe_raise(exc_type, ours.get("exc_message", ""))
+            traceback_text = extra.get("py_callstack", "")
+        elif isinstance(message, dict):  # a script that used torch's own @record
+            summary = f"raised {message.get('message', 'an exception')}"
+            traceback_text = extra.get("py_callstack", "")
+        else:
+            summary, traceback_text = describe_exit(failure.exitcode), ""
+        when = float(ours.get("time", failure.timestamp))
+        described.append((when, rank, summary, traceback_text, exc_type, failure.exitcode))
+    # The first to fail is the cause; the rest were usually stopped because of it. Ranks the
+    # agent itself terminated (SIGTERM/SIGKILL, no record, whole-second times) go last.
+    described.sort(key=lambda d: (d[5] in _STOPPED_BY_AGENT, d[0], d[1]))
+    _, rank, summary, traceback_text, exc_type, exitcode = described[0]
+    others = tuple(f"rank {r} {s}" for _, r, s, *_ in described[1:])
+    return RankFailedError(
+        rank,
+        world_size,
+        summary,
+        traceback_text,
+        exc_type,
+        exitcode=exitcode,
+        other_failures=others,
+    )
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run ``args.script`` on every rank; return the exit status for the command.
+
+    Example::
+
+        $ nbaccel launch --num_processes 2 train.py --lr 0.1
+    """
+    cfg = resolve_config(args)
+    target = _check_target(args)
+    port = _resolve_port(cfg)
+    nprocs = cfg.num_processes or hardware.detect().gpu_count or 1
+    world_size = nprocs * cfg.num_machines
+
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    _set_environment(cfg, nprocs)
+    _quiet_elastic_logs()
+    log_dir = tempfile.mkdtemp(prefix="nbaccel-launch-")
+    argv = torchrun_arguments(cfg, nprocs, port, log_dir, target)
+    try:
+        torch_args = torch_run.parse_args(argv)
+        print(
+            f"nbaccel: launching {nprocs} process{'es' if nprocs > 1 else ''} on machine "
+            f"{cfg.machine_rank} of {cfg.num_machines} (world size {world_size}), "
+            f"mixed_precision={cfg.mixed_precision}, strategy={cfg.strategy}, "
+            f"{cfg.main_process_ip}:{port}",
+            flush=True,
+        )
+        torch_run.run(torch_args)
+    except ChildFailedError as exc:
+        error = failure_from(exc.failures, world_size)
+        sys.stdout.flush()
+        print(f"nbaccel launch: {error}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        # The agent has already stopped the ranks; report how we were stopped.
+        name = signal.Signals(exc.sigval).name
+        print(f"nbaccel launch: stopped by {name}; all ranks were stopped.", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return 0

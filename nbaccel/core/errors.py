@@ -1,0 +1,108 @@
+"""Exceptions the kernel raises when a launch goes wrong, each naming the rank and the cause."""
+
+from __future__ import annotations
+
+import pickle
+
+
+class UsageError(Exception):
+    """A command-line flag or file cannot work; nothing was started. The message says why."""
+
+
+class LaunchError(RuntimeError):
+    """Base class for a launch that did not finish normally."""
+
+
+class RankFailedError(LaunchError):
+    """A rank raised, exited with an error code, or was killed by a signal.
+
+    Attributes:
+        rank: the global rank that failed first.
+        exc_type: the qualified name of the rank's exception type (``"builtins.ValueError"``),
+            or ``None`` when the rank died without raising (signal or exit code).
+        original: the rank's exception object re-created in the kernel, when it unpickles.
+        remote_traceback: the rank's formatted traceback (or crash report) as text.
+        exitcode: the process exit code (negative: killed by that signal).
+        other_failures: short descriptions of ranks that failed after the first one.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        summary: str,
+        remote_traceback: str = "",
+        exc_type: str | None = None,
+        original: BaseException | None = None,
+        exitcode: int | None = None,
+        other_failures: tuple[str, ...] = (),
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.summary = summary
+        self.remote_traceback = remote_traceback
+        self.exc_type = exc_type
+        self.original = original
+        self.exitcode = exitcode
+        self.other_failures = other_failures
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        text = f"rank {self.rank} (of {self.world_size}) {self.summary}"
+        if self.remote_traceback:
+            body = self.remote_traceback.rstrip("\n")
+            text += (
+                f"\n\n--- rank {self.rank} traceback ---\n{body}\n--- end of rank {self.rank} ---"
+            )
+        if self.other_failures:
+            text += "\nAlso failed afterwards: " + "; ".join(self.other_failures)
+        return text
+
+    def __reduce__(self):
+        return (
+            _rebuild_rank_failed,
+            (
+                self.rank,
+                self.world_size,
+                self.summary,
+                self.remote_traceback,
+                self.exc_type,
+                self.exitcode,
+                self.other_failures,
+            ),
+        )
+
+
+def _rebuild_rank_failed(rank, world_size, summary, tb, exc_type, exitcode, others):
+    return RankFailedError(rank, world_size, summary, tb, exc_type, None, exitcode, others)
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """The launch ran past ``timeout=``; the message lists the ranks still running and their stacks."""
+
+    def __init__(self, timeout: float, running: list[int], stacks: dict[int, str]) -> None:
+        self.timeout = timeout
+        self.running = running
+        self.stacks = stacks
+        ranks = ", ".join(map(str, running))
+        text = (
+            f"the launch did not finish within timeout={timeout:g} s; still running: rank {ranks}."
+        )
+        for rank in running:
+            stack = stacks.get(rank, "").strip() or "(no stack received)"
+            text += f"\n\n--- rank {rank} stack at timeout ---\n{stack}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (LaunchTimeoutError, (self.timeout, self.running, self.stacks))
+
+
+def load_exception(data: bytes | None) -> BaseException | None:
+    """Unpickle a rank's exception, or ``None`` if that is not possible in the kernel."""
+    if data is None:
+        return None
+    try:
+        exc = pickle.loads(data)
+    except Exception:
+        return None
+    return exc if isinstance(exc, BaseException) else None

@@ -1,0 +1,137 @@
+"""The kernel<->rank contract: what a rank is given, the messages it sends back, the channel.
+
+Events flow one way, worker -> kernel, each pickled on its own over a pipe that belongs to one
+rank. Output does not travel here: stdout/stderr go through their own per-rank pipes at the file
+descriptor level, so C libraries' writes and crashes are caught too.
+
+Worker code never imports this directly; ``nbaccel.progress``/``nbaccel.log`` call
+:func:`emit`, which is a no-op outside a launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import select
+import signal
+import threading
+from typing import Any
+
+# The kernel sends this signal to a rank to have every thread's Python stack written to the
+# rank's diagnostic pipe (faulthandler, so it works while the rank is stuck in C code).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+@dataclasses.dataclass
+class RankSpec:
+    """Everything a rank needs to know about itself; plain data, cheap to pickle."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    env: dict[str, str]
+    function: bytes
+    args: list[bytes]
+    kwargs: dict[str, bytes]
+    send_result: bool
+    sources: dict[str, tuple] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Started:
+    rank: int
+    pid: int
+
+
+@dataclasses.dataclass
+class Progress:
+    rank: int
+    bar_id: int
+    n: int
+    total: int | None
+    desc: str | None
+    elapsed: float
+    closed: bool = False
+    unit_scale: float | None = None  # samples per step, where the caller knows it
+
+
+@dataclasses.dataclass
+class Metrics:
+    rank: int
+    step: int | None
+    values: dict[str, float]
+
+
+@dataclasses.dataclass
+class Result:
+    rank: int
+    payload: bytes | None  # cloudpickled return value; None when the kernel did not ask for it
+
+
+@dataclasses.dataclass
+class Failure:
+    rank: int
+    exc_type: str  # qualified name, e.g. "builtins.ValueError"
+    message: str
+    traceback: str  # formatted, user frames only
+    exception: bytes | None  # the pickled exception, when it pickles
+
+
+Event = Started | Progress | Metrics | Result | Failure
+
+
+class _Channel:
+    """The sending end of one rank's event pipe; thread-safe, used only inside a rank."""
+
+    def __init__(self, connection: Any, rank: int) -> None:
+        self._conn = connection
+        self._lock = threading.Lock()
+        self.rank = rank
+
+    def send(self, event: Event) -> None:
+        data = pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def has_room(self) -> bool:
+        """Whether a small event can be written now without waiting for the kernel to read.
+
+        A pipe polls writable while at least PIPE_BUF (4 KiB) bytes are free; progress and
+        metric events are smaller than that.
+        """
+        try:
+            return bool(select.select([], [self._conn.fileno()], [], 0)[1])
+        except (OSError, ValueError):
+            return True  # let send() find out and report it
+
+
+_channel: _Channel | None = None
+
+
+def install_channel(connection: Any, rank: int) -> None:
+    global _channel
+    _channel = _Channel(connection, rank)
+
+
+def current_rank() -> int | None:
+    """The rank this process runs as under a notebook launch, else ``None``."""
+    return _channel.rank if _channel is not None else None
+
+
+def emit(event: Event, block: bool = True) -> bool:
+    """Send ``event`` to the kernel if this process is a launched rank; report whether it was sent.
+
+    With ``block=False`` an event that would have to wait for the kernel (pipe full) is not sent.
+    """
+    channel = _channel
+    if channel is None:
+        return False
+    if not block and not channel.has_room():
+        return False
+    try:
+        channel.send(event)
+    except (BrokenPipeError, OSError):
+        return False  # the kernel has gone; the rank is about to be stopped anyway
+    return True

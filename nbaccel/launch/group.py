@@ -1,0 +1,179 @@
+"""Start, watch and stop the rank processes of one launch.
+
+One :class:`RankGroup` owns its ranks from start to reaping: nothing else sends them signals.
+Each rank gets four pipes of its own (stdout, stderr, crash/stack reports, events), created just
+before it starts so that no rank inherits another's write ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+from typing import Any
+
+import psutil
+
+from nbaccel.core.events import RankSpec
+from nbaccel.rank.entry import run_rank
+
+
+@dataclasses.dataclass
+class RankProcess:
+    """One started rank and the kernel's (reading) ends of its pipes."""
+
+    rank: int
+    process: Any
+    stdout: Any
+    stderr: Any
+    diag: Any
+    events: Any
+    _final_exitcode: int | None = None
+    _reaped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def exitcode(self) -> int | None:
+        return self._final_exitcode if self._reaped else self.process.exitcode
+
+    def reap(self) -> None:
+        self.process.join()
+        self._final_exitcode = self.process.exitcode
+        self.process.close()
+        self._reaped = True
+
+    def close_pipes(self) -> None:
+        for conn in (self.stdout, self.stderr, self.diag, self.events):
+            conn.close()
+
+
+class RankGroup:
+    """The ranks of one launch: start them, signal them, and reap them and their children.
+
+    Example::
+
+        group = RankGroup(specs, start_method="forkserver")
+        group.start()
+        ...
+        group.stop()          # SIGTERM, then SIGKILL after a grace period; always reaps
+    """
+
+    def __init__(self, specs: list[RankSpec], start_method: str) -> None:
+        self.specs = specs
+        self.start_method = start_method
+        self.ranks: list[RankProcess] = []
+        self._stop_signal_sent: set[int] = set()
+        self._kill_at: float | None = None  # set by begin_stop
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context(self.start_method)
+        try:
+            for spec in self.specs:
+                self.ranks.append(self._start_one(ctx, spec))
+        except BaseException:
+            self.stop(grace=0)
+            raise
+
+    def _start_one(self, ctx: Any, spec: RankSpec) -> RankProcess:
+        pipes = [ctx.Pipe(duplex=False) for _ in range(4)]
+        readers = [r for r, _ in pipes]
+        writers = [w for _, w in pipes]
+        process = ctx.Process(
+            target=run_rank, args=(spec, *writers), name=f"nbaccel-rank{spec.rank}", daemon=False
+        )
+        try:
+            process.start()
+        finally:
+            for w in writers:  # the rank holds them now; closing ours lets EOF arrive
+                w.close()
+        for r in readers[:3]:
+            os.set_blocking(r.fileno(), False)
+        return RankProcess(spec.rank, process, *readers)
+
+    def alive(self) -> list[RankProcess]:
+        return [r for r in self.ranks if r.exitcode() is None]
+
+    def was_stopped(self, rank: int) -> bool:
+        """Whether this group sent the rank a stop signal (so its death is not its own failure)."""
+        return rank in self._stop_signal_sent
+
+    def send_signal(self, ranks: list[RankProcess], sig: int) -> None:
+        """Send ``sig`` to these ranks only (not their children): e.g. a stack-dump request."""
+        for r in ranks:
+            try:
+                os.kill(r.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    # -- the one stop sequence: SIGTERM to every live rank and its children, SIGKILL after a
+    #    grace period. begin_stop/poll_stop never block (the relay loop calls them); stop()
+    #    is the blocking form for cleanup paths.
+
+    def begin_stop(self, grace: float) -> None:
+        """Ask every live rank and its children to stop (SIGTERM) now, once; returns at once."""
+        if self._kill_at is not None:
+            return
+        self._kill_at = time.monotonic() + grace
+        self._signal_trees(signal.SIGTERM)
+
+    def poll_stop(self) -> None:
+        """SIGKILL whatever is still alive once the grace period of :meth:`begin_stop` is over."""
+        if self._kill_at is not None and time.monotonic() >= self._kill_at:
+            self._signal_trees(signal.SIGKILL)
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Stop every rank: SIGTERM, SIGKILL after ``grace`` seconds, then reap them all."""
+        self.begin_stop(grace)
+        remaining = max(0.0, self._kill_at - time.monotonic())
+        if not self.wait(remaining):
+            self._kill_at = time.monotonic()
+            self.poll_stop()
+            self.wait(None)
+        self.reap()
+
+    def _signal_trees(self, sig: int) -> None:
+        alive = self.alive()
+        self._stop_signal_sent.update(r.rank for r in alive)
+        for r in alive:
+            try:
+                children = psutil.Process(r.pid).children(recursive=True)
+            except psutil.Error:
+                children = []
+            self.send_signal([r], sig)
+            for child in children:
+                try:
+                    child.send_signal(sig)
+                except psutil.Error:
+                    pass
+
+    def collect_exit(self, r: RankProcess) -> int | None:
+        """The exit code of a rank whose sentinel fired (it can fire a moment before the status
+        is collectable under fork/spawn)."""
+        r.process.join(timeout=30)
+        return r.exitcode()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait until every rank has exited or ``timeout`` passes; report whether all exited."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            alive = self.alive()
+            if not alive:
+                return True
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            multiprocessing.connection.wait([r.sentinel for r in alive], remaining)
+
+    def reap(self) -> None:
+        for r in self.ranks:
+            if not r._reaped:
+                r.reap()

@@ -1,0 +1,96 @@
+"""``notebook_launcher``: run a function on N ranks from a notebook cell (or a script).
+
+The plan reads in three steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and
+serializes the job before anything starts (bad input never leaves a half-started launch),
+:func:`run_plan` starts the ranks and lets :class:`~nbaccel.launch.relay.Relay` follow them to
+the end, and rank 0's (or every rank's) return value is loaded in the kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nbaccel.core.config import LaunchConfig
+from nbaccel.core.launch_state import LaunchState, RankState
+from nbaccel.launch.forkserver import ensure_server
+from nbaccel.launch.group import RankGroup
+from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
+from nbaccel.launch.relay import Relay, load_payload
+from nbaccel.ui import View, choose_view
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_processes: int | None = UNSET,
+    mixed_precision: str | None = UNSET,
+    use_port: int | str = "auto",
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    start_method: str = "auto",
+    timeout: float | None = None,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    return_all: bool = False,
+    config: LaunchConfig | None = None,
+    progress: bool | str = True,
+    preload: Sequence[str] = (),
+    env: dict[str, str | None] | None = None,
+    view: View | None = None,
+) -> Any:
+    """Run ``function(*args)`` on ``num_processes`` ranks and return rank 0's return value.
+
+    Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep its names and
+    meanings. ``num_processes=None`` means every visible GPU, else 1. Settings not given here
+    come from ``config``, else from the saved default config (``nbaccel.configure()``/
+    ``nbaccel config``). ``return_all=True`` returns every rank's value as a list. ``timeout``
+    (seconds) stops a launch that runs too long with a ``TimeoutError`` that shows where each
+    rank was. ``progress``: True (dashboard where widgets render, text elsewhere), "text", or
+    False. ``preload`` names modules the fork server imports once so ranks start with them.
+
+    Example::
+
+        def train(lr):
+            acc = nbaccel.Accelerator()
+            acc.print(f"{acc.num_processes} ranks, lr={lr}")
+            return acc.process_index
+
+        nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)   # -> 0
+    """
+    plan = resolve_plan(
+        function,
+        args,
+        kwargs or {},
+        config=config,
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        start_method=start_method,
+        use_port=use_port,
+        master_addr=master_addr,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        timeout=timeout,
+        env=env,
+        return_all=return_all,
+    )
+    payloads = run_plan(plan, view if view is not None else choose_view(progress), preload)
+    if return_all:
+        return [load_payload(s.rank, payloads.get(s.rank)) for s in plan.specs]
+    return load_payload(0, payloads.get(0)) if node_rank == 0 else None
+
+
+def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
+    """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
+    if plan.info.start_method == "forkserver":
+        ensure_server(tuple(preload))
+    state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
+    group = RankGroup(plan.specs, plan.info.start_method)
+    group.start()
+    try:
+        return Relay(group, state, view, plan.timeout).run()
+    except KeyboardInterrupt:
+        # Every rank is stopped and reaped by now; the relay's frames would only be noise.
+        n = len(plan.specs)
+        raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None

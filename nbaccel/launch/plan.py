@@ -1,0 +1,235 @@
+"""Everything a launch decides before it starts a process: settings, checks, the serialized job.
+
+:func:`resolve_plan` raises a clear error for any bad input (a non-callable, a bad count or
+port, a precision this machine cannot run, an argument that cannot be pickled, ``fork`` after
+CUDA) and otherwise returns a :class:`LaunchPlan`: the launch's facts and one
+:class:`~nbaccel.core.events.RankSpec` per local rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nbaccel.core import capabilities, hardware, pickling, rendezvous
+from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int
+from nbaccel.core.events import RankSpec
+from nbaccel.core.launch_state import LaunchInfo
+from nbaccel.launch.forkserver import resolve_start_method
+
+UNSET: Any = object()  # "not given": the config (or its default) decides
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    info: LaunchInfo
+    specs: list[RankSpec]
+    timeout: float | None
+
+
+def resolve_plan(
+    function: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    config: LaunchConfig | None,
+    num_processes: Any,
+    mixed_precision: Any,
+    start_method: str,
+    use_port: int | str,
+    master_addr: str,
+    node_rank: int,
+    num_nodes: int,
+    timeout: float | None,
+    env: dict[str, str | None] | None,
+    return_all: bool,
+) -> LaunchPlan:
+    """Check the inputs and build the plan; nothing is started."""
+    _refuse_nested_launch()
+    if not callable(function):
+        raise TypeError(
+            f"function must be callable (the training function to run on every rank), "
+            f"got {type(function).__name__}."
+        )
+    cfg = _resolve_config(config, num_processes, mixed_precision, start_method)
+    nprocs = _resolve_num_processes(cfg.num_processes)
+    check_int("node_rank", node_rank, 0)
+    check_int("num_nodes", num_nodes, 1)
+    if node_rank >= num_nodes:
+        raise ValueError(f"node_rank={node_rank} must be below num_nodes={num_nodes}.")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
+    method = check_start_method(resolve_start_method(cfg.start_method))
+    gpus = hardware.detect().gpus
+    capabilities.check_precision(cfg.mixed_precision, gpus)
+    port = _resolve_port(use_port, master_addr, node_rank, num_nodes)
+    function_bytes, arg_bytes, kwarg_bytes = _serialize(function, args, kwargs)
+
+    info = LaunchInfo(
+        world_size=nprocs * num_nodes,
+        num_processes=nprocs,
+        node_rank=node_rank,
+        first_rank=node_rank * nprocs,
+        device="cuda" if gpus else "cpu",
+        backend="nccl" if gpus else "gloo",
+        mixed_precision=cfg.mixed_precision,
+        strategy=cfg.strategy,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        master_addr=master_addr,
+        master_port=port,
+        start_method=method,
+    )
+    base_env = _worker_env(info, cfg, env)
+    sources = pickling.notebook_sources()
+    specs = [
+        RankSpec(
+            rank=info.first_rank + local,
+            local_rank=local,
+            world_size=info.world_size,
+            local_world_size=nprocs,
+            node_rank=node_rank,
+            env={**base_env, "RANK": str(info.first_rank + local), "LOCAL_RANK": str(local)},
+            function=function_bytes,
+            args=arg_bytes,
+            kwargs=kwarg_bytes,
+            sources=sources,
+            send_result=return_all or info.first_rank + local == 0,
+        )
+        for local in range(nprocs)
+    ]
+    return LaunchPlan(info, specs, timeout)
+
+
+def check_start_method(method: str) -> str:
+    """Refuse ``fork`` once this process holds a CUDA context, saying what to do instead."""
+    if method == "fork" and hardware.cuda_initialized():
+        raise RuntimeError(
+            "start_method='fork' cannot be used after CUDA was initialised in this kernel "
+            "(forked ranks would fail with 'Cannot re-initialize CUDA in forked subprocess'). "
+            "Use the default start_method='auto' (a fork server), or restart the kernel."
+        )
+    return method
+
+
+def _refuse_nested_launch() -> None:
+    """A rank that launches would start ranks of ranks; say what to do instead."""
+    if os.environ.get(ENV_LAUNCHER) or os.environ.get("TORCHELASTIC_RUN_ID"):
+        rank = os.environ.get("RANK", "?")
+        raise RuntimeError(
+            f"notebook_launcher() was called inside rank {rank} of a running launch, which "
+            "would start ranks of ranks. Call the training function directly here; in a script, "
+            "guard the launcher call with `if __name__ == '__main__'` (nbaccel export writes "
+            "such a guard)."
+        )
+
+
+def _resolve_config(
+    config: LaunchConfig | None, num_processes: Any, mixed_precision: Any, start_method: str
+) -> LaunchConfig:
+    if config is not None and not isinstance(config, LaunchConfig):
+        raise TypeError(f"config must be a nbaccel.LaunchConfig, got {type(config).__name__}.")
+    base = config or LaunchConfig.load_default() or LaunchConfig()
+    changes: dict[str, Any] = {}
+    if num_processes is not UNSET:
+        changes["num_processes"] = num_processes
+    if mixed_precision is not UNSET:
+        changes["mixed_precision"] = mixed_precision
+    if start_method != "auto":
+        changes["start_method"] = start_method
+    return dataclasses.replace(base, **changes)  # LaunchConfig validates every field
+
+
+def _resolve_num_processes(requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    gpus = hardware.detect().gpu_count
+    if gpus:
+        return gpus
+    warnings.warn(
+        "num_processes=None and no GPU is visible, so 1 process is started. For several CPU "
+        "processes pass num_processes explicitly, e.g. notebook_launcher(fn, num_processes=2).",
+        stacklevel=3,
+    )
+    return 1
+
+
+def _resolve_port(use_port: int | str, master_addr: str, node_rank: int, num_nodes: int) -> int:
+    if use_port == "auto":
+        if num_nodes > 1:
+            raise ValueError(
+                "use_port='auto' only works on one machine: every node must be given the same "
+                "port. Pass use_port=<port> on all nodes."
+            )
+        return rendezvous.free_port(master_addr)
+    try:
+        port = int(use_port)
+    except (TypeError, ValueError):
+        raise ValueError(f"use_port must be 'auto' or a port number, got {use_port!r}.") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"use_port={port} is not a valid port (1-65535).")
+    if node_rank == 0:
+        rendezvous.check_port(master_addr, port)
+    return port
+
+
+def _serialize(
+    function: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[bytes, list[bytes], dict[str, bytes]]:
+    """Cloudpickle the function and each argument on its own, so an error names the culprit."""
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"args must be a tuple or list of arguments, got {type(args).__name__}.")
+    name = getattr(function, "__qualname__", repr(function))
+    try:
+        function_bytes = pickling.dumps(function)
+    except Exception as exc:
+        raise TypeError(
+            f"the function {name} cannot be sent to the ranks: {type(exc).__name__}: {exc}. "
+            "Something it refers to (a global, a closure variable) cannot be pickled; create "
+            "that object inside the function instead."
+        ) from exc
+
+    def dump(value: Any, label: str) -> bytes:
+        try:
+            return pickling.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"{label} ({type(value).__name__}) cannot be sent to the ranks: "
+                f"{type(exc).__name__}: {exc}. Pass something picklable (e.g. a path or the "
+                "parameters to build it) and create the object inside the function."
+            ) from exc
+
+    arg_bytes = [dump(a, f"args[{i}]") for i, a in enumerate(args)]
+    kwarg_bytes = {k: dump(v, f"kwargs[{k!r}]") for k, v in kwargs.items()}
+    return function_bytes, arg_bytes, kwarg_bytes
+
+
+def _worker_env(
+    info: LaunchInfo, cfg: LaunchConfig, extra: dict[str, str | None] | None
+) -> dict[str, str]:
+    """The kernel's environment now (the fork server's is older), plus the rendezvous."""
+    env = dict(os.environ)
+    if "matplotlib_inline" in env.get("MPLBACKEND", "") or "ipykernel" in env.get("MPLBACKEND", ""):
+        # ipykernel points matplotlib at its inline backend; in a rank that would import
+        # IPython and try to display into a kernel the rank is not part of.
+        env["MPLBACKEND"] = "Agg"
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)  # env={"X": None} removes X, as subprocess users expect
+        else:
+            env[key] = str(value)
+    one_machine = info.world_size == info.num_processes
+    env.update(
+        rendezvous.launcher_environment(cfg.worker_env(), "notebook", info.master_addr, one_machine)
+    )
+    env.update(
+        WORLD_SIZE=str(info.world_size),
+        LOCAL_WORLD_SIZE=str(info.num_processes),
+        GROUP_RANK=str(info.node_rank),
+        NODE_RANK=str(info.node_rank),
+        MASTER_ADDR=info.master_addr,
+        MASTER_PORT=str(info.master_port),
+    )
+    return env

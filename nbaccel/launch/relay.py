@@ -1,0 +1,283 @@
+"""The kernel's side of a running launch: read every rank's pipes, keep the state, drive a view.
+
+One loop in the launching thread waits on all ranks' pipes and exit sentinels at once. Output is
+cut into whole lines per rank and stream before it reaches the view, so lines are never split or
+interleaved. The loop notices the first failure and stops the other ranks, enforces the timeout
+(collecting each live rank's Python stack first), and on an interrupt stops every rank before
+re-raising. Whatever happens, every rank is reaped before :meth:`Relay.run` returns or raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import selectors
+import signal
+import threading
+import time
+from typing import Any
+
+from nbaccel.core import events
+from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
+from nbaccel.core.events import STACK_DUMP_SIGNAL
+from nbaccel.core.failures import describe_exit, describe_raise
+from nbaccel.core.launch_state import BarState, LaunchState, Outcome
+from nbaccel.core.launch_state import RankStatus as Status
+from nbaccel.launch.group import RankGroup, RankProcess
+from nbaccel.launch.lines import LineSplitter
+from nbaccel.ui import View
+
+TICK = 0.05  # seconds between view updates while nothing arrives
+STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
+STACK_WAIT = 2.0  # seconds to wait for stack dumps at a timeout
+
+
+class Relay:
+    """Run one launch to its end: returns the ranks' result payloads or raises the failure."""
+
+    def __init__(self, group: RankGroup, state: LaunchState, view: View, timeout: float | None):
+        self.group = group
+        self.state = state
+        self.view = view
+        self.timeout = timeout
+        self.payloads: dict[int, bytes | None] = {}
+        self._failures: list[tuple[int, RankFailedError]] = []
+        self._splitters: dict[tuple[int, str], LineSplitter] = {}
+        self._selector = selectors.DefaultSelector()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> dict[int, bytes | None]:
+        self.view.start(self.state)
+        try:
+            self._register()
+            self._loop()
+        except BaseException:
+            self.state.outcome = self.state.outcome or Outcome.INTERRUPTED
+            with _sigint_deferred():
+                self.group.stop(grace=STOP_GRACE)
+                self._drain_all()
+            raise
+        finally:
+            self.group.reap()
+            self._finish()
+        if self._failures:
+            raise self._first_failure()
+        return self.payloads
+
+    def _register(self) -> None:
+        for r in self.group.ranks:
+            self._selector.register(r.stdout.fileno(), selectors.EVENT_READ, (r, "stdout"))
+            self._selector.register(r.stderr.fileno(), selectors.EVENT_READ, (r, "stderr"))
+            self._selector.register(r.diag.fileno(), selectors.EVENT_READ, (r, "diag"))
+            self._selector.register(r.events.fileno(), selectors.EVENT_READ, (r, "events"))
+            self._selector.register(r.sentinel, selectors.EVENT_READ, (r, "exit"))
+
+    def _loop(self) -> None:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while not all(rank.done for rank in self.state.ranks.values()):
+            for key, _ in self._selector.select(TICK):
+                rank_process, kind = key.data
+                if kind == "exit":
+                    self._on_exit(rank_process)
+                else:
+                    self._read(rank_process, kind)
+            if self._failures:
+                self.group.begin_stop(STOP_GRACE)  # the other ranks; idempotent
+            self.group.poll_stop()
+            if deadline is not None and time.monotonic() > deadline and not self._failures:
+                self._time_out()
+            self.view.update()
+        self.state.outcome = Outcome.FAILED if self._failures else Outcome.FINISHED
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _read(self, r: RankProcess, kind: str) -> bool:
+        """Read what is there now on one pipe; report whether anything (or EOF) was read."""
+        if kind == "events":
+            return self._read_event(r)
+        conn = getattr(r, kind)
+        try:
+            data = os.read(conn.fileno(), 1 << 16)
+        except BlockingIOError:
+            return False
+        except OSError:
+            data = b""
+        if not data:
+            self._unregister(conn.fileno())
+            if kind != "diag":
+                self._emit_lines(r.rank, kind, self._splitter(r.rank, kind).flush())
+            return False
+        if kind == "diag":
+            self.state.ranks[r.rank].diag += data.decode("utf-8", errors="replace")
+        else:
+            self._emit_lines(r.rank, kind, self._splitter(r.rank, kind).feed(data))
+        return True
+
+    def _read_event(self, r: RankProcess) -> bool:
+        try:
+            if not r.events.poll(0):
+                return False
+            data = r.events.recv_bytes()
+        except (EOFError, OSError):
+            self._unregister(r.events.fileno())
+            return False
+        self._on_event(pickle.loads(data))
+        return True
+
+    def _splitter(self, rank: int, stream: str) -> LineSplitter:
+        return self._splitters.setdefault((rank, stream), LineSplitter())
+
+    def _emit_lines(self, rank: int, stream: str, lines: list[str]) -> None:
+        if lines:
+            self.view.output(rank, stream, lines)
+
+    def _unregister(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fd)
+
+    def _drain(self, r: RankProcess) -> None:
+        """Read everything a rank that has exited left in its pipes."""
+        for kind in ("events", "stdout", "stderr", "diag"):
+            while self._read(r, kind):
+                pass
+        for stream in ("stdout", "stderr"):
+            self._emit_lines(r.rank, stream, self._splitter(r.rank, stream).flush())
+
+    def _drain_all(self) -> None:
+        for r in self.group.ranks:
+            with contextlib.suppress(OSError, ValueError):
+                self._drain(r)
+            rank = self.state.ranks[r.rank]
+            if not rank.done:
+                rank.status, rank.ended_at = Status.STOPPED, time.monotonic()
+
+    # -- events and exits -------------------------------------------------------------------
+
+    def _on_event(self, event: events.Event) -> None:
+        rank = self.state.ranks[event.rank]
+        if isinstance(event, events.Started):
+            rank.pid, rank.status = event.pid, Status.RUNNING
+        elif isinstance(event, events.Progress):
+            bar = rank.bars.setdefault(event.bar_id, BarState())
+            bar.n, bar.total, bar.desc = event.n, event.total, event.desc
+            bar.elapsed, bar.closed, bar.unit_scale = event.elapsed, event.closed, event.unit_scale
+        elif isinstance(event, events.Metrics):
+            rank.metrics.update(event.values)
+            step = event.step if event.step is not None else len(rank.history)
+            rank.history.append((step, dict(event.values)))
+        elif isinstance(event, events.Result):
+            self.payloads[event.rank] = event.payload
+        elif isinstance(event, events.Failure):
+            summary = describe_raise(event.exc_type, event.message)
+            error = RankFailedError(
+                event.rank,
+                self.state.info.world_size,
+                summary,
+                event.traceback,
+                exc_type=event.exc_type,
+                original=load_exception(event.exception),
+            )
+            self._record_failure(event.rank, error, summary.removeprefix("raised "))
+
+    def _record_failure(self, rank: int, error: RankFailedError, line: str) -> None:
+        state = self.state.ranks[rank]
+        state.status, state.error_line = (
+            Status.FAILED,
+            line.strip().splitlines()[0] if line.strip() else line,
+        )
+        self._failures.append((rank, error))
+
+    def _on_exit(self, r: RankProcess) -> None:
+        self._unregister(r.sentinel)
+        self._drain(r)
+        code = self.group.collect_exit(r)
+        rank = self.state.ranks[r.rank]
+        rank.exitcode, rank.ended_at = code, time.monotonic()
+        if rank.status == Status.FAILED:
+            error = next(e for k, e in self._failures if k == r.rank)
+            error.exitcode = code
+        elif code == 0 and r.rank in self.payloads:
+            rank.status = Status.FINISHED
+        elif self.group.was_stopped(r.rank):
+            rank.status = Status.STOPPED
+        else:
+            what = describe_exit(code) if code != 0 else "exited without reporting a result"
+            crash = rank.diag.strip()
+            error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
+            self._record_failure(r.rank, error, what)
+
+    def _first_failure(self) -> RankFailedError:
+        (first_rank, first), *rest = self._failures
+        first.other_failures = tuple(f"rank {k} {e.summary}" for k, e in rest if k != first_rank)
+        first.args = (first._message(),)
+        return first
+
+    # -- timeout ----------------------------------------------------------------------------
+
+    def _time_out(self) -> None:
+        alive = self.group.alive()
+        running = sorted(r.rank for r in alive)
+        before = {r.rank: len(self.state.ranks[r.rank].diag) for r in alive}
+        self.group.send_signal(alive, STACK_DUMP_SIGNAL)
+        self._collect_stacks(alive)
+        stacks = {r.rank: self.state.ranks[r.rank].diag[before[r.rank] :] for r in alive}
+        self.state.outcome = Outcome.TIMED_OUT
+        raise LaunchTimeoutError(self.timeout or 0.0, running, stacks)
+
+    def _collect_stacks(self, alive: list[RankProcess]) -> None:
+        """Read the ranks' stack dumps: until each has written one and gone quiet, or 2 s.
+
+        The dump is written by a C signal handler in one burst; a short quiet period after the
+        first bytes means it is complete.
+        """
+        deadline = time.monotonic() + STACK_WAIT
+        last_data = {r.rank: None for r in alive}
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if all(t is not None and now - t > 0.2 for t in last_data.values()):
+                return
+            for key, _ in self._selector.select(0.05):
+                r, kind = key.data
+                if kind == "diag" and r.rank in last_data and self._read(r, "diag"):
+                    last_data[r.rank] = time.monotonic()
+                elif kind in ("stdout", "stderr", "events"):
+                    self._read(r, kind)
+
+    def _finish(self) -> None:
+        self.state.ended_at = time.monotonic()
+        for r in self.group.ranks:
+            with contextlib.suppress(OSError):
+                r.close_pipes()
+        self._selector.close()
+        with contextlib.suppress(Exception):
+            self.view.finish()
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold back a second Ctrl-C while ranks are being stopped, so cleanup is not cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda *a: received.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def load_payload(rank: int, payload: bytes | None) -> Any:
+    """Unpickle a rank's return value in the kernel, with an error that says what to do."""
+    if payload is None:
+        return None
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:
+        raise LaunchError(
+            f"rank {rank} returned a value the kernel cannot load ({type(exc).__name__}: {exc}). "
+            "Return plain data, tensors or a state_dict, or make the value's class importable "
+            "in the kernel."
+        ) from exc

@@ -1,0 +1,111 @@
+"""A notebook rank, from the moment its process exists until it exits.
+
+:func:`run_rank` wires the process up (``process_setup``), runs the user's function, reports
+the result or the failure as an event, and ends through the shared exit protocol (``exit``).
+It never imports IPython or the views.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+from typing import Any
+
+import cloudpickle
+
+from nbaccel.core import events, pickling
+from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
+from nbaccel.rank import exit, process_setup, reporting, torch_fixes, tqdm_hook
+
+
+def _to_cpu(value: Any) -> Any:
+    """Move tensors (and models) in a return value to the CPU, so the kernel can load them."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, torch.nn.parallel.DistributedDataParallel):
+        value = value.module
+    if isinstance(value, torch.nn.Module):
+        return value.cpu()
+    if isinstance(value, dict):
+        return (
+            type(value)((k, _to_cpu(v)) for k, v in value.items()) if type(value) is dict else value
+        )
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _is_plumbing(filename: str) -> bool:
+    return filename == __file__
+
+
+def _report_failure(exc: BaseException, rank: int) -> None:
+    try:
+        pickled = pickling.dumps(exc)
+        pickle.loads(pickled)  # only send what the kernel will be able to load
+    except Exception:
+        pickled = None
+    kind = type(exc)
+    events.emit(
+        events.Failure(
+            rank=rank,
+            exc_type=f"{kind.__module__}.{kind.__qualname__}",
+            message=str(exc),
+            traceback=exit.user_traceback(exc, _is_plumbing),
+            exception=pickled,
+        )
+    )
+
+
+def _install_progress_hooks() -> None:
+    """Let tqdm bars in the user's code report as this rank's progress (opt out: NBACCEL_TQDM=0)."""
+    try:
+        tqdm_hook.install_worker_hooks()
+    except Exception as exc:  # noqa: BLE001 - never let reporting break training
+        print(f"nbaccel: progress hooks not installed: {exc}", file=sys.stderr)
+
+
+def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any) -> None:
+    """Entry point of a rank process (the target of its ``multiprocessing.Process``)."""
+    # The kernel handles Ctrl-C/interrupt for everyone and stops ranks itself; N tracebacks
+    # from N ranks would only bury the one that matters.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    process_setup.die_with_parent()
+    process_setup.redirect_output(out_w.fileno(), err_w.fileno())
+    diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
+    faulthandler.enable(file=diag, all_threads=True)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=diag, all_threads=True, chain=False)
+
+    os.environ.clear()
+    os.environ.update(spec.env)
+    process_setup.share_cpu_threads(spec.local_world_size)
+    pickling.install_sources(spec.sources)
+    events.install_channel(events_w, spec.rank)
+    _install_progress_hooks()
+    torch_fixes.keep_destroyed_process_groups_alive()
+    events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
+
+    payload, raised = None, None
+    try:
+        function = cloudpickle.loads(spec.function)
+        args = [cloudpickle.loads(a) for a in spec.args]
+        kwargs = {k: cloudpickle.loads(v) for k, v in spec.kwargs.items()}
+        value = function(*args, **kwargs)
+        payload = pickling.dumps(_to_cpu(value)) if spec.send_result else None
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
+        raised = exc
+    code, failure = exit.outcome(raised)
+    reporting.flush()  # metrics held back while the kernel was busy go before the verdict
+    if failure is not None:
+        _report_failure(failure, spec.rank)
+    else:
+        # The process group is left to die with the process (see torch_fixes).
+        events.emit(events.Result(rank=spec.rank, payload=payload))
+    diag.flush()
+    exit.leave(code)

@@ -1,0 +1,65 @@
+"""How a rank ends, the same for notebook ranks and ``nbaccel launch`` ranks.
+
+One protocol: the user's code ran and either returned or raised; :func:`outcome` turns that into
+an exit status (``SystemExit(0)``/``None`` is success, ``sys.exit("text")`` is a failure with
+status 1, as Python itself does); :func:`user_traceback` formats a failure starting at the
+user's first frame; :func:`leave` flushes everything and ends the process without interpreter
+teardown, where torch's process-group destructors can deadlock (see ``torch_fixes``).
+
+>>> outcome(SystemExit(0))
+(0, None)
+>>> outcome(SystemExit(3))[0]
+3
+>>> code, failure = outcome(ValueError("bad"))
+>>> code, type(failure).__name__
+(1, 'ValueError')
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+from nbaccel.core import libc
+
+
+def outcome(exc: BaseException | None) -> tuple[int, BaseException | None]:
+    """The exit status for how the user's code ended, and the failure to report (or ``None``)."""
+    if exc is None:
+        return 0, None
+    if isinstance(exc, SystemExit):
+        if exc.code in (None, 0):
+            return 0, None
+        return (exc.code if isinstance(exc.code, int) else 1), exc
+    return 1, exc
+
+
+def user_traceback(exc: BaseException, is_plumbing: Callable[[str], bool]) -> str:
+    """The formatted exception, starting at the first frame whose file is not plumbing."""
+    tb = exc.__traceback__
+    while tb is not None and is_plumbing(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def flush_output() -> None:
+    """Flush Python's and the C library's standard streams."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    c = libc.load()
+    if c is not None:
+        c.fflush(None)
+
+
+def leave(code: int, run_atexit: bool = True) -> None:
+    """End this process now with ``code``: atexit hooks, flushed output, no interpreter teardown."""
+    if run_atexit:
+        atexit._run_exitfuncs()
+    flush_output()
+    os._exit(code)

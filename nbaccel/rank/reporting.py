@@ -1,0 +1,304 @@
+"""Worker-side progress bars and metric logging: events under a launch, plain output elsewhere.
+
+``progress()`` wraps an iterable (or is used as a context manager with ``.update(n)``, like tqdm);
+under ``notebook_launcher`` it sends ``events.Progress`` to the kernel, at most ~10 times a second
+per bar and always once more on close. ``log()`` sends ``events.Metrics``, sampled at the same
+rate (the latest value of each name). Neither ever blocks the
+training loop on a slow kernel: an intermediate update is skipped, and logged metrics are held back,
+while the event pipe is full. ``nbaccel.rank.tqdm_hook`` makes tqdm bars in a rank report the same
+way, without code changes (``NBACCEL_TQDM=0`` turns that off).
+
+This module runs in the ranks: it never imports IPython, ipywidgets or the views.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from nbaccel.core import events
+
+EMIT_INTERVAL = 0.1  # seconds between progress events of one bar (the final state always goes)
+TEXT_INTERVAL = 0.1  # seconds between redraws of the plain-text bar outside a launch
+LINE_INTERVAL = 2.0  # seconds between progress lines where the output is not a terminal
+_MAX_BACKLOG = 10_000  # logged metrics held while the kernel is behind; the oldest go first
+
+_bar_ids = itertools.count()
+_backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
+_pending: dict[str, tuple[int | None, Any]] = {}  # name -> latest (step, value) not yet sent
+_metrics_sent_at = 0.0
+
+
+class ProgressBar:
+    """A tqdm-like bar; see :func:`progress`. ``n`` counts steps, ``total`` may be ``None``."""
+
+    def __init__(
+        self,
+        iterable: Iterable[Any] | None = None,
+        total: int | None = None,
+        desc: str | None = None,
+        unit_scale: float | None = None,
+        *,
+        disable: bool = False,
+        file: Any = None,
+    ) -> None:
+        if total is None and iterable is not None:
+            try:
+                total = len(iterable)  # type: ignore[arg-type]
+            except (TypeError, AttributeError):
+                total = None
+        self.iterable = iterable
+        self.total = total
+        self.desc = desc
+        self.unit_scale = unit_scale
+        self.n = 0
+        self.closed = disable
+        self.bar_id = next(_bar_ids)
+        self.rank = events.current_rank()
+        self._file = file
+        self._start = time.monotonic()
+        # The next time (monotonic) at which a report is due; the hot path compares only this.
+        self._next_at = 0.0
+        self._width = 0
+        if not disable:
+            self._report(force=True)
+
+    # -- tqdm's surface ---------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.iterable is None:
+            raise TypeError("progress() was given no iterable; use it with .update(n) instead.")
+        if self.closed:
+            yield from self.iterable
+            return
+        clock = time.monotonic
+        n = self.n
+        try:
+            for item in self.iterable:
+                yield item
+                n += 1
+                if clock() >= self._next_at:
+                    self.n = n
+                    self._report()
+        finally:
+            self.n = n
+            self.close()
+
+    def __len__(self) -> int:
+        if self.total is None:
+            raise TypeError("this progress bar has no total")
+        return self.total
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more steps (reported at a bounded rate)."""
+        self.n += n
+        if not self.closed and time.monotonic() >= self._next_at:
+            self._report()
+
+    def due(self) -> bool:
+        """Whether a report is due now; wrappers that count steps themselves (the tqdm hook)
+        check this before :meth:`report`."""
+        return time.monotonic() >= self._next_at
+
+    def report(self) -> None:
+        """Send the current state to the kernel now."""
+        if not self.closed:
+            self._report()
+
+    def set_description(self, desc: str | None = None) -> None:
+        self.desc = desc
+
+    def reset(self, total: int | None = None) -> None:
+        self.n, self._start = 0, time.monotonic()
+        if total is not None:
+            self.total = total
+        self._next_at = 0.0
+
+    def close(self) -> None:
+        """Report the final state (always sent) and stop reporting."""
+        if self.closed:
+            return
+        self.closed = True
+        self._report(force=True, closed=True)
+
+    # -- reporting --------------------------------------------------------------------------
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self._start
+
+    def _report(self, force: bool = False, closed: bool = False) -> None:
+        now = time.monotonic()
+        if self.rank is None:
+            interactive = self._draw_text(now, closed)
+            self._next_at = now + (TEXT_INTERVAL if interactive else LINE_INTERVAL)
+            return
+        event = events.Progress(
+            rank=self.rank,
+            bar_id=self.bar_id,
+            n=self.n,
+            total=self.total,
+            desc=self.desc,
+            elapsed=now - self._start,
+            closed=closed,
+            unit_scale=self.unit_scale,
+        )
+        if closed:
+            flush()  # metrics logged before the bar ended arrive before it does
+        events.emit(event, block=force)
+        self._next_at = now + EMIT_INTERVAL
+
+    def _draw_text(self, now: float, closed: bool) -> bool:
+        """Outside a launch: on a terminal, one line redrawn in place like tqdm's plain bar;
+        into a pipe or file (logs, ``nbaccel launch``'s per-rank labels) whole lines, a few
+        seconds apart, since carriage returns would garble them. Reports which it drew."""
+        stream = self._file or sys.stderr
+        text = format_bar(self.n, self.total, self.desc, now - self._start, self.unit_scale)
+        try:
+            interactive = stream.isatty()
+        except (AttributeError, ValueError):
+            interactive = False
+        try:
+            if interactive:
+                pad = " " * max(0, self._width - len(text))
+                self._width = len(text)
+                stream.write("\r" + text + pad + ("\n" if closed else ""))
+            else:
+                stream.write(text + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        return interactive
+
+
+def format_bar(
+    n: int, total: int | None, desc: str | None, elapsed: float, unit_scale: float | None = None
+) -> str:
+    """``desc: 40%|████      | 4/10 [00:01<00:02, 3.1 it/s]`` (shorter without a total)."""
+    rate = n / elapsed if elapsed > 0 and n else None
+    head = f"{desc}: " if desc else ""
+    speed = f"{rate:.1f} it/s" if rate else "? it/s"
+    if rate and unit_scale:
+        speed += f", {rate * unit_scale:.1f} samples/s"
+    if total:
+        frac = min(1.0, n / total)
+        filled = int(frac * 20)
+        eta = _clock((total - n) / rate) if rate else "?"
+        return (
+            f"{head}{frac:4.0%}|{'█' * filled}{' ' * (20 - filled)}| {n}/{total} "
+            f"[{_clock(elapsed)}<{eta}, {speed}]"
+        )
+    return f"{head}{n} [{_clock(elapsed)}, {speed}]"
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def progress(
+    iterable: Iterable[Any] | None = None,
+    total: int | None = None,
+    desc: str | None = None,
+    unit_scale: float | None = None,
+) -> ProgressBar:
+    """A progress bar for a loop: this rank's row in the launch dashboard, plain text elsewhere.
+
+    ``total`` defaults to ``len(iterable)``; ``unit_scale`` is the number of samples per step
+    (e.g. the batch size), so the dashboard can show samples/s too.
+
+    Example::
+
+        for batch in nbaccel.progress(loader, desc="epoch 1", unit_scale=32):
+            ...
+        with nbaccel.progress(total=1000) as bar:
+            bar.update(10)
+    """
+    return ProgressBar(iterable, total=total, desc=desc, unit_scale=unit_scale)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if hasattr(value, "item"):  # tensors and numpy scalars, without importing either
+        value = value.item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"log() needs numbers; {name}={value!r} ({type(value).__name__}) is not one."
+        ) from None
+
+
+def _held(name: str, value: Any) -> Any:
+    """What to keep of a logged value until it is sent: numbers as floats, one-element tensors
+    detached but not read (``.item()`` on a GPU tensor waits for the device, so it is done only
+    for values that are actually sent)."""
+    if hasattr(value, "detach") and hasattr(value, "numel"):
+        if value.numel() != 1:
+            raise TypeError(f"log() needs numbers; {name} is a tensor of {value.numel()} elements.")
+        return value.detach()
+    return _as_float(name, value)
+
+
+def log(values: dict[str, Any], step: int | None = None) -> None:
+    """Record metrics for this rank (shown in the dashboard's chart); a no-op outside a launch.
+
+    Values may be numbers or one-element tensors. Cheap enough to call every step: the latest
+    value of each name is sent at most ``EMIT_INTERVAL`` apart (a faithful sample of the curve),
+    and sending never waits for a busy kernel.
+
+    Example::
+
+        nbaccel.log({"loss": loss, "lr": scheduler.get_last_lr()[0]}, step=step)
+    """
+    rank = events.current_rank()
+    if rank is None:
+        return
+    if not isinstance(values, dict):
+        raise TypeError(f"log() takes a dict of name -> number, got {type(values).__name__}.")
+    for name, value in values.items():
+        _pending[str(name)] = (step, _held(str(name), value))
+    global _metrics_sent_at
+    now = time.monotonic()
+    if now - _metrics_sent_at >= EMIT_INTERVAL:
+        _metrics_sent_at = now
+        _ship(rank, block=False)
+
+
+def _ship(rank: int, block: bool) -> None:
+    """Turn the pending values into events (one per step) and send what the pipe takes."""
+    by_step: dict[int | None, dict[str, float]] = {}
+    for name, (step, value) in _pending.items():
+        number = _as_float(name, value)
+        if not math.isnan(number):
+            by_step.setdefault(step, {})[name] = number
+    _pending.clear()
+    for step, numbers in by_step.items():
+        _backlog.append(events.Metrics(rank=rank, step=step, values=numbers))
+    _drain(block=block)
+
+
+def _drain(block: bool) -> None:
+    while _backlog:
+        if not events.emit(_backlog[0], block=block):
+            return
+        _backlog.popleft()
+
+
+def flush() -> None:
+    """Send metrics still held back (waiting for the kernel if it must). The rank's entry point
+    calls this before it reports its result."""
+    rank = events.current_rank()
+    if rank is not None:
+        _ship(rank, block=True)

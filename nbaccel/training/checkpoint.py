@@ -1,0 +1,145 @@
+"""Checkpoints: atomic single-file saves, and whole-run ``save_state``/``load_state``.
+
+A file is written next to its target and renamed over it, so a crash mid-write never leaves a
+truncated file where a good one was. ``save_state`` fills a staging folder and swaps it in, so
+the previous checkpoint stays whole until the new one is complete; ``load_state`` falls back to
+it when a crash hit between the two renames. Everything is read with ``weights_only=True``.
+
+>>> import torch, tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
+>>> atomic_save({"w": torch.ones(2)}, path)
+>>> torch.load(path, weights_only=True)["w"]
+tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nbaccel.core.atomic import atomic_write
+from nbaccel.training import ops
+from nbaccel.training.random import capture_rng_state, restore_rng_state
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``.
+
+    Example::
+
+        atomic_save(model.state_dict(), "ckpt/model.pt")
+    """
+    with atomic_write(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _load(path: Path, trusted_fallback: bool = False) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        if not trusted_fallback:
+            raise
+        warnings.warn(
+            f"{path} holds objects other than tensors and plain containers, so it is loaded "
+            "with weights_only=False; only load checkpoints you wrote yourself.",
+            stacklevel=3,
+        )
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _siblings(directory: Path) -> tuple[Path, Path]:
+    return (
+        directory.with_name(f".{directory.name}.partial"),
+        directory.with_name(f".{directory.name}.old"),
+    )
+
+
+def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
+    """Write everything a resumed run needs into ``directory`` (collective: call on every rank)."""
+    final = Path(directory)
+    staging, old = _siblings(final)
+    main = acc.is_main_process
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
+        staging.mkdir(parents=True)
+    ops.barrier()
+    strategy = acc._strategy
+    for i, model in enumerate(acc._models):
+        state = strategy.model_state_dict(model)  # every rank: FSDP gathers here
+        if main:
+            atomic_save(state, staging / f"model_{i}.pt")
+    for i, opt in enumerate(acc._optimizers):
+        model = acc._models[0] if acc._models else None
+        state = strategy.optimizer_state_dict(model, opt.optimizer)
+        if main:
+            atomic_save(state, staging / f"optimizer_{i}.pt")
+    if main:
+        for i, sched in enumerate(acc._schedulers):
+            atomic_save(sched.state_dict(), staging / f"scheduler_{i}.pt")
+        for i, loader in enumerate(acc._dataloaders):
+            atomic_save(loader.state_dict(), staging / f"dataloader_{i}.pt")
+        for i, obj in enumerate(acc._custom_objects):
+            atomic_save(obj.state_dict(), staging / f"custom_{i}.pt")
+        atomic_save(
+            {"precision": acc._precision.state_dict(), "micro_step": acc._gs.micro_step},
+            staging / "accelerator.pt",
+        )
+    atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
+    ops.barrier()
+    if main:
+        # Swap: the old checkpoint is only removed once the new one is complete and in place.
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    ops.barrier()
+    return final
+
+
+def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
+    """Restore what :func:`save_state` wrote, including this rank's RNG states (every rank)."""
+    path = Path(directory)
+    _, old = _siblings(path)
+    if not path.is_dir() and old.is_dir():
+        path = old  # a save was interrupted between its two renames; this one is complete
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"no checkpoint folder at {path}; pass the folder given to save_state()."
+        )
+    expected = len(list(path.glob("model_*.pt")))
+    if expected != len(acc._models):
+        raise ValueError(
+            f"the checkpoint at {path} holds {expected} model(s) but {len(acc._models)} were "
+            "prepared; prepare the same objects, in the same order, before load_state()."
+        )
+    for i, model in enumerate(acc._models):
+        acc._strategy.load_model_state_dict(model, _load(path / f"model_{i}.pt"))
+    for i, opt in enumerate(acc._optimizers):
+        model = acc._models[0] if acc._models else None
+        state = _load(path / f"optimizer_{i}.pt")
+        acc._strategy.load_optimizer_state_dict(model, opt.optimizer, state)
+    for i, sched in enumerate(acc._schedulers):
+        sched.load_state_dict(_load(path / f"scheduler_{i}.pt"))
+    for i, loader in enumerate(acc._dataloaders):
+        loader.load_state_dict(_load(path / f"dataloader_{i}.pt"))
+    for i, obj in enumerate(acc._custom_objects):
+        obj.load_state_dict(_load(path / f"custom_{i}.pt", trusted_fallback=True))
+    extra = _load(path / "accelerator.pt")
+    acc._precision.load_state_dict(extra["precision"])
+    acc._gs.micro_step = int(extra["micro_step"])
+    rng_file = path / f"random_states_{acc.process_index}.pt"
+    if not rng_file.exists():
+        raise FileNotFoundError(
+            f"{rng_file} is missing: the checkpoint was saved by fewer processes than this run "
+            f"has ({acc.num_processes}). Resume with the same number of processes."
+        )
+    restore_rng_state(_load(rng_file))
+    ops.barrier()
+    return path

@@ -1,0 +1,156 @@
+"""Mixed precision as small objects: a forward context, a backward and an optimizer step.
+
+``"no"`` does nothing; ``"bf16"`` runs the forward under autocast; ``"fp16"`` adds a GradScaler
+(on CPU too) whose skipped steps are reported; ``"fp8"`` converts Linear layers with torchao's
+float8 training on GPUs that support it. :func:`select_precision` refuses combinations the device
+cannot run, saying why and what to pick instead.
+
+>>> import torch
+>>> p = select_precision("bf16", torch.device("cpu"))
+>>> with p.forward_context():
+...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nbaccel.core import capabilities
+from nbaccel.core.config import MIXED_PRECISION_CHOICES
+from nbaccel.core.hardware import GPU
+
+
+class Precision:
+    """Full precision (``mixed_precision="no"``); the base the others change."""
+
+    name = "no"
+    scaler: torch.amp.GradScaler | None = None
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._unscaled: set[int] = set()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss.backward(**kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true scale before clipping (no-op without a scaler)."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None) -> bool:
+        """Step ``optimizer``; return False when the step was skipped (fp16 overflow)."""
+        optimizer.step(closure) if closure is not None else optimizer.step()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class AutocastPrecision(Precision):
+    """bf16: the forward runs under ``torch.autocast``; gradients need no scaling."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, name: str) -> None:
+        super().__init__(device)
+        self.dtype, self.name = dtype, name
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+class Fp16Precision(AutocastPrecision):
+    """fp16: autocast plus a GradScaler, so small gradients do not vanish in half precision."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, torch.float16, "fp16")
+        self.scaler = torch.amp.GradScaler(device.type)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.scaler.scale(loss).backward(**kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        # GradScaler refuses a second unscale_ of the same optimizer before step(); clipping
+        # twice (norm, then value) must still work, so remember who is already unscaled.
+        if id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable | None) -> bool:
+        before = self.scaler.get_scale()
+        if closure is not None:
+            self.scaler.step(optimizer, closure)
+        else:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+        self._unscaled.discard(id(optimizer))
+        # The scaler only lowers its scale when it found inf/NaN gradients and skipped the step.
+        return self.scaler.get_scale() >= before
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
+
+
+class Fp8Precision(AutocastPrecision):
+    """fp8: torchao converts Linear layers to float8 matmuls; the rest runs in bf16 autocast."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, torch.bfloat16, "fp8")
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        from torchao.float8 import convert_to_float8_training
+
+        def fits(layer: torch.nn.Module, _fqn: str) -> bool:
+            # float8 matmuls need both dimensions divisible by 16; other layers stay in bf16.
+            return (
+                isinstance(layer, torch.nn.Linear)
+                and layer.in_features % 16 == 0
+                and layer.out_features % 16 == 0
+            )
+
+        return convert_to_float8_training(module, module_filter_fn=fits)
+
+
+def select_precision(name: str, device: torch.device) -> Precision:
+    """The precision object for ``mixed_precision=name`` on ``device``, or a clear error.
+
+    Example::
+
+        precision = select_precision("fp16", torch.device("cpu"))   # autocast + GradScaler
+    """
+    if name not in MIXED_PRECISION_CHOICES:
+        raise ValueError(
+            f"mixed_precision={name!r} is not supported; choose one of "
+            f"{', '.join(map(repr, MIXED_PRECISION_CHOICES))}."
+        )
+    gpus = ()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        gpus = (GPU(index, props.name, props.total_memory / 2**30, (props.major, props.minor)),)
+    verdict = capabilities.precision_verdict(name, gpus, capabilities.torchao_available())
+    if not verdict.allowed:
+        where = f"this process runs on {device.type}" if not gpus else gpus[0].name
+        raise ValueError(f"mixed_precision={name!r} cannot run here ({where}): {verdict.reason}")
+    if name == "no":
+        return Precision(device)
+    if name == "fp16":
+        return Fp16Precision(device)
+    if name == "bf16":
+        return AutocastPrecision(device, torch.bfloat16, "bf16")
+    return Fp8Precision(device)

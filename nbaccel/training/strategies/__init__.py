@@ -1,0 +1,38 @@
+"""Strategies own how a model and its optimizer are wrapped for N ranks (DDP, FSDP), and the
+prepared optimizer and scheduler that step through the precision and gradient accumulation.
+
+Adding a strategy means adding one module with a :class:`Strategy` subclass and a line in
+:func:`select_strategy`.
+
+>>> from nbaccel.training.state import detect_state
+>>> select_strategy("ddp", detect_state(cpu=True)).name
+'ddp'
+"""
+
+from __future__ import annotations
+
+from nbaccel.core.config import STRATEGY_CHOICES
+from nbaccel.training.state import ProcessState
+from nbaccel.training.strategies.base import PreparedOptimizer, PreparedScheduler, Strategy
+
+__all__ = ["PreparedOptimizer", "PreparedScheduler", "Strategy", "select_strategy"]
+
+
+def select_strategy(name: str, state: ProcessState) -> Strategy:
+    """The strategy called ``name`` ("ddp" or "fsdp") for this process.
+
+    Example::
+
+        strategy = select_strategy("fsdp", detect_state())
+    """
+    if name == "ddp":
+        from nbaccel.training.strategies.ddp import DDPStrategy
+
+        return DDPStrategy(state)
+    if name == "fsdp":
+        from nbaccel.training.strategies.fsdp import FSDPStrategy
+
+        return FSDPStrategy(state)
+    raise ValueError(
+        f"strategy={name!r} is not known; choose one of {', '.join(map(repr, STRATEGY_CHOICES))}."
+    )

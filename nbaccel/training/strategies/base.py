@@ -1,0 +1,158 @@
+"""The interface every strategy implements, and the prepared optimizer and scheduler that step
+through the precision and gradient accumulation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from nbaccel.training.state import GradientState, ProcessState
+
+
+class Strategy:
+    """The interface every strategy implements; the defaults suit a plain local model."""
+
+    name = "base"
+
+    def __init__(self, state: ProcessState) -> None:
+        self.state = state
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def optimizer_state_dict(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, stepping through the precision (fp16 scaler) and doing nothing on
+    accumulation micro-steps. Everything else (``param_groups``, ``state``, hooks) is the
+    original's, so LR schedulers built on either object work.
+
+    Example::
+
+        model, opt = accelerator.prepare(model, opt)
+        opt.step(); opt.zero_grad()      # skipped inside accumulate() until the last micro-step
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: Any, gs: GradientState):
+        # Deliberately no super().__init__: the wrapped optimizer holds all the state.
+        self.optimizer, self._precision, self._gs = optimizer, precision, gs
+        self.step_was_skipped = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def step(self, closure: Callable | None = None) -> None:
+        if not self._gs.sync_gradients:
+            return
+        self.step_was_skipped = not self._precision.optimizer_step(self.optimizer, closure)
+        self._gs.optimizer_step_was_skipped = self.step_was_skipped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._gs.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """An LR scheduler that advances once per process for each real optimizer step.
+
+    Schedules are usually sized from the unsharded DataLoader's length; each rank sees only
+    1/N of the batches, so stepping N times per optimizer step makes the schedule end on time.
+    Accumulation micro-steps and steps skipped by the fp16 scaler do not advance it.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        optimizers: list[PreparedOptimizer],
+        gs: GradientState,
+        steps_per_update: int,
+    ) -> None:
+        self.scheduler, self._optimizers, self._gs = scheduler, optimizers, gs
+        self._n = steps_per_update
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self._gs.sync_gradients:
+            return
+        if any(opt.step_was_skipped for opt in self._optimizers):
+            return
+        for _ in range(self._n):
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is not None and self.scheduler.last_epoch >= total:
+                break  # OneCycleLR raises past its end; the last partial step is not an error
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()

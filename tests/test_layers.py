@@ -1,0 +1,116 @@
+"""The package layout keeps its promises: each layer imports only what it may, and no cycles.
+
+Read from the source with ``ast`` (every import, also those inside functions), so a violation
+fails here before it can load a kernel-side module inside a rank.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nbaccel"
+
+# package -> the nbaccel packages it may import (besides itself).
+ALLOWED = {
+    "core": set(),
+    "rank": {"core"},
+    "training": {"core", "rank"},
+    "ui": {"core"},
+    "launch": {"core", "ui"},
+    "cli": {"core", "rank", "training", "ui", "launch"},
+}
+# Single modules a layer may import outside its allowance, each with the reason.
+EXCEPTIONS = {
+    # The kernel hands this function to multiprocessing as the rank's entry point.
+    ("launch", "nbaccel.rank.entry"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every nbaccel module ``path`` imports, resolved to the most specific existing module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if _exists(candidate) else node.module)
+    return {name for name in found if name == "nbaccel" or name.startswith("nbaccel.")}
+
+
+def _exists(module: str) -> bool:
+    rel = Path(*module.split("."))
+    base = PACKAGE.parent / rel
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _modules() if _layer(m)))
+def test_each_layer_imports_only_what_it_may(module):
+    layer = _layer(module)
+    bad = []
+    for target in _imports(_modules()[module]):
+        target_layer = _layer(target)
+        if target == "nbaccel" and layer != "cli":
+            bad.append(f"{target} (the top-level package: import the module that defines it)")
+        elif target == "nbaccel" or target_layer in (None, layer) or target_layer in ALLOWED[layer]:
+            continue
+        elif (layer, target) not in EXCEPTIONS:
+            bad.append(target)
+    assert not bad, f"{module} ({layer}) may not import {bad}; allowed: {sorted(ALLOWED[layer])}"
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {m: {t for t in _imports(p) if t in modules and t != m} for m, p in modules.items()}
+    # A package's __init__ imported for its submodule is not a real edge back to it.
+    for m, targets in graph.items():
+        graph[m] = {t for t in targets if not m.startswith(t + ".")}
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_package_says_its_job_and_what_it_may_import():
+    for layer in ALLOWED:
+        doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
+        assert doc, f"nbaccel/{layer}/__init__.py has no docstring"
+        if layer != "core":
+            assert "May import" in doc, (
+                f"nbaccel/{layer}/__init__.py does not say what it may import"
+            )
+
+
+def test_every_module_says_its_job():
+    missing = [m for m, p in _modules().items() if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not missing, f"modules without a docstring: {missing}"
