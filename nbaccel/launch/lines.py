@@ -1,4 +1,4 @@
-"""Cut a rank's output byte stream into whole lines, as a terminal would show them.
+r"""Cut a rank's output byte stream into whole lines, as a terminal would show them.
 
 >>> s = LineSplitter()
 >>> s.feed(b"epoch 1\nste")

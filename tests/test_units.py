@@ -1,0 +1,251 @@
+"""Fast tests of the pure logic under the launcher: no processes, no kernels, milliseconds each.
+
+The end-to-end tests check the same behaviour through real ranks; these pin the rules down so a
+regression shows up in ``pytest -m "not slow"`` first.
+"""
+
+from __future__ import annotations
+
+import signal
+import types
+
+import pytest
+
+from nbaccel.core import capabilities, hardware
+from nbaccel.core.config import ConfigError, ConfigTypeError, LaunchConfig
+from nbaccel.core.failures import describe_exit, describe_raise
+from nbaccel.core.hardware import GPU
+from nbaccel.launch import plan
+from nbaccel.launch.lines import MAX_PARTIAL_LINE, LineSplitter
+from nbaccel.rank import exit as rank_exit
+
+# -- output lines ---------------------------------------------------------------------------
+
+
+def test_lines_are_cut_whole_across_reads():
+    s = LineSplitter()
+    assert s.feed(b"ep") == []
+    assert s.feed(b"och 1\nepoch 2\nhal") == ["epoch 1", "epoch 2"]
+    assert s.flush() == ["hal"]
+    assert s.flush() == []
+
+
+def test_carriage_return_keeps_what_a_terminal_shows():
+    s = LineSplitter()
+    assert s.feed(b"10%\r50%\r100%\n") == ["100%"]
+    assert s.feed(b"windows line\r\n") == ["windows line"]
+
+
+def test_invalid_utf8_is_replaced_not_raised():
+    assert LineSplitter().feed(b"caf\xe9\n") == ["caf\ufffd"]
+
+
+def test_a_runaway_line_is_emitted_rather_than_hoarded():
+    s = LineSplitter()
+    out = s.feed(b"x" * (MAX_PARTIAL_LINE + 1))
+    assert len(out) == 1 and len(out[0]) == MAX_PARTIAL_LINE + 1
+
+
+# -- how ranks end ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "text"),
+    [
+        (0, "exited with code 0"),
+        (2, "exited with code 2"),
+        (-signal.SIGKILL, "was killed by signal SIGKILL (killed)"),
+        (-signal.SIGSEGV, "was killed by signal SIGSEGV (segmentation fault)"),
+        (-200, "was killed by signal 200"),
+        (None, "is still running"),
+    ],
+)
+def test_exit_codes_in_words(code, text):
+    assert describe_exit(code) == text
+
+
+def test_raised_exceptions_drop_the_builtins_prefix_only():
+    assert describe_raise("builtins.ValueError", "bad") == "raised ValueError: bad"
+    assert describe_raise("torch.OutOfMemoryError", "") == "raised torch.OutOfMemoryError"
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "reported"),
+    [
+        (None, 0, False),
+        (SystemExit(0), 0, False),
+        (SystemExit(None), 0, False),
+        (SystemExit(4), 4, True),
+        (SystemExit("no data"), 1, True),
+        (KeyboardInterrupt(), 1, True),
+        (ValueError("x"), 1, True),
+    ],
+)
+def test_one_exit_protocol_for_every_way_user_code_ends(raised, code, reported):
+    got_code, failure = rank_exit.outcome(raised)
+    assert got_code == code
+    assert (failure is raised) if reported else failure is None
+
+
+def test_plumbing_frames_are_dropped_from_the_top():
+    def run():
+        raise KeyError("k")
+
+    try:
+        run()
+    except KeyError as exc:
+        full = rank_exit.user_traceback(exc, lambda f: False)
+        trimmed = rank_exit.user_traceback(exc, lambda f: f == __file__)
+    assert "test_plumbing_frames_are_dropped_from_the_top" in full
+    # Every frame here is in this file: trimmed to the exception line itself.
+    assert "test_plumbing_frames" not in trimmed and "KeyError: 'k'" in trimmed
+
+
+# -- failure attribution under nbaccel launch ----------------------------------------------
+
+
+def _elastic_failure(exitcode, timestamp, nbaccel=None):
+    data = {}
+    if nbaccel is not None:
+        data = {
+            "message": {"message": "x", "extraInfo": {"py_callstack": "tb", "nbaccel": nbaccel}}
+        }
+    return types.SimpleNamespace(error_file_data=data, exitcode=exitcode, timestamp=timestamp)
+
+
+def test_cli_names_the_first_rank_that_raised_not_the_ones_the_agent_stopped():
+    from nbaccel.cli.launch import failure_from
+
+    failures = {
+        0: _elastic_failure(-signal.SIGTERM, 100),  # stopped by the agent afterwards
+        1: _elastic_failure(
+            1, 100, {"exc_type": "builtins.ValueError", "exc_message": "bad", "time": 99.5}
+        ),
+        2: _elastic_failure(
+            1, 100, {"exc_type": "builtins.KeyError", "exc_message": "'k'", "time": 99.7}
+        ),
+    }
+    error = failure_from(failures, world_size=3)
+    assert error.rank == 1 and error.summary == "raised ValueError: bad"
+    assert error.exc_type == "builtins.ValueError" and error.remote_traceback == "tb"
+    assert error.other_failures[0].startswith("rank 2 raised KeyError")
+    assert "SIGTERM" in error.other_failures[-1]
+
+
+# -- the capability table -------------------------------------------------------------------
+
+T4 = GPU(0, "Tesla T4", 15.0, (7, 5))
+A100 = GPU(0, "A100", 80.0, (8, 0))
+H100 = GPU(0, "H100", 80.0, (9, 0))
+
+
+@pytest.mark.parametrize(
+    ("precision", "gpus", "torchao", "allowed", "hint"),
+    [
+        ("no", (), False, True, ""),
+        ("fp16", (T4,), False, True, ""),
+        ("bf16", (), False, True, ""),
+        ("bf16", (T4,), False, False, "use 'fp16'"),
+        ("bf16", (A100, T4), False, False, "GPU 0 Tesla T4 has 7.5"),
+        ("fp8", (), True, False, "use 'bf16' on CPU"),
+        ("fp8", (A100,), True, False, "8.9+"),
+        ("fp8", (H100,), False, False, "pip install torchao"),
+        ("fp8", (H100,), True, True, ""),
+    ],
+)
+def test_capability_table(precision, gpus, torchao, allowed, hint):
+    verdict = capabilities.precision_verdict(precision, gpus, torchao)
+    assert verdict.allowed is allowed
+    assert hint in verdict.reason and (bool(verdict.reason) is not allowed)
+
+
+def test_capability_check_raises_the_reason_and_unknown_values_are_named():
+    with pytest.raises(ConfigError, match="mixed_precision='fp8'.*use 'bf16' on CPU"):
+        capabilities.check_precision("fp8", (), torchao=True)
+    with pytest.raises(ConfigError, match="mixed_precision='int4' is not supported"):
+        capabilities.check_precision("int4", (), torchao=True)
+
+
+def test_config_panel_and_launcher_share_the_table():
+    from nbaccel.ui.config_panel import precision_choices
+
+    hw = hardware.Hardware(cpu_count=4, gpus=(T4,))
+    panel = {c.value: (c.enabled, c.reason) for c in precision_choices(hw, torchao=False)}
+    for name, (enabled, reason) in panel.items():
+        verdict = capabilities.precision_verdict(name, hw.gpus, False)
+        assert (enabled, reason) == (verdict.allowed, verdict.reason)
+
+
+# -- config validation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"num_processes": 0}, ConfigError, "num_processes"),
+        ({"num_processes": "2"}, ConfigTypeError, "must be an integer"),
+        ({"num_processes": True}, ConfigTypeError, "must be an integer"),
+        ({"mixed_precision": "fp4"}, ConfigError, "choose one of"),
+        ({"strategy": "zero"}, ConfigError, "strategy"),
+        ({"gradient_accumulation_steps": 0}, ConfigError, "gradient_accumulation_steps"),
+    ],
+)
+def test_config_rejects_bad_values_by_name(changes, error, match):
+    with pytest.raises(error, match=match):
+        LaunchConfig(**changes)
+
+
+def test_config_yaml_errors_name_the_line_and_key():
+    with pytest.raises(ConfigError, match=r"cfg.yaml, line 2: unknown key 'mixed_precison'"):
+        LaunchConfig.from_yaml("num_processes: 2\nmixed_precison: bf16\n", source="cfg.yaml")
+    with pytest.raises(ConfigError, match=r"cfg.yaml, line 1, key 'num_processes'"):
+        LaunchConfig.from_yaml("num_processes: -1\n", source="cfg.yaml")
+
+
+def test_config_round_trips_through_yaml():
+    cfg = LaunchConfig(num_processes=3, mixed_precision="BF16", gradient_accumulation_steps=4)
+    assert cfg.mixed_precision == "bf16"
+    assert LaunchConfig.from_yaml(cfg.to_yaml()) == cfg
+
+
+# -- the launch plan's refusals ---------------------------------------------------------------
+
+
+def test_fork_is_refused_once_cuda_is_initialised(monkeypatch):
+    monkeypatch.setattr(hardware, "cuda_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="start_method='fork' cannot be used after CUDA"):
+        plan.check_start_method("fork")
+    assert plan.check_start_method("forkserver") == "forkserver"  # the safe default stays
+
+
+def test_fork_is_allowed_before_cuda(monkeypatch):
+    monkeypatch.setattr(hardware, "cuda_initialized", lambda: False)
+    assert plan.check_start_method("fork") == "fork"
+
+
+def test_env_none_removes_a_variable_and_values_become_strings(monkeypatch):
+    monkeypatch.setenv("NBACCEL_UNIT_DROP", "1")
+    info = types.SimpleNamespace(
+        world_size=2, num_processes=2, node_rank=0, master_addr="127.0.0.1", master_port=1234
+    )
+    env = plan._worker_env(info, LaunchConfig(), {"NBACCEL_UNIT_DROP": None, "N": 3})
+    assert "NBACCEL_UNIT_DROP" not in env and env["N"] == "3"
+    assert env["NBACCEL_LAUNCHER"] == "notebook" and env["WORLD_SIZE"] == "2"
+
+
+# -- the data plan: each rank's batches of one epoch --------------------------------------
+
+
+def test_epoch_plan_shards_disjointly_and_evens_out_the_last_step():
+    from nbaccel.training.data import _plan_epoch
+
+    order = list(range(10))
+    plans = [_plan_epoch(order, 3, 2, rank, drop_last=False, even=True) for rank in range(2)]
+    assert plans[0].batches[0] == [0, 1, 2] and plans[1].batches[0] == [3, 4, 5]
+    # 4 samples left for 2 ranks: 2 each, nothing borrowed, so nothing to drop later.
+    assert [p.batches[-1] for p in plans] == [[6, 7], [8, 9]] and plans[0].remainder is None
+    odd = [_plan_epoch(list(range(9)), 3, 2, rank, False, True) for rank in range(2)]
+    # 3 left: ranks get 2 each, one sample borrowed from the epoch's start and marked.
+    assert [p.batches[-1] for p in odd] == [[6, 7], [8, 0]] and odd[0].remainder == 3
+    dropped = _plan_epoch(list(range(9)), 3, 2, 0, drop_last=True, even=True)
+    assert dropped.batches == [[0, 1, 2]]
