@@ -41,6 +41,7 @@ from nbaccel.training import checkpoint, data
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.precision import select_precision
 from nbaccel.training.random import check_rng_types
+from nbaccel.training.registry import PreparedObjects, pair_optimizer
 from nbaccel.training.state import DistributedType, GradientState, detect_state
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
 
@@ -81,6 +82,7 @@ class Accelerator(ProcessControl):
         self._strategy = select_strategy(strategy, self.state)
         self._precision = select_precision(mp, self.state.device)
         self._gs = GradientState(accumulation_steps=steps)
+        self.gradient_state = self._gs  # Accelerate's public name for the same object
         self.device_placement, self.split_batches = device_placement, split_batches
         self.even_batches = even_batches
         self.project_dir = Path(project_dir) if project_dir is not None else None
@@ -212,6 +214,26 @@ class Accelerator(ProcessControl):
             wrapped.forward = forward
         self._models.append(wrapped)
         return wrapped
+
+    def prepared(self) -> PreparedObjects:
+        """What this Accelerator prepared: models, optimizers (each with its model), schedulers,
+        dataloaders, custom checkpoint objects, and the strategy that reads their state.
+
+        Example::
+
+            for opt, model in zip(acc.prepared().optimizers, acc.prepared().optimizer_models):
+                print(type(model).__name__, opt)
+        """
+        models = list(self._models)
+        return PreparedObjects(
+            models=tuple(models),
+            optimizers=tuple(self._optimizers),
+            optimizer_models=tuple(pair_optimizer(o, models) for o in self._optimizers),
+            schedulers=tuple(self._schedulers),
+            dataloaders=tuple(self._dataloaders),
+            custom_objects=tuple(self._custom_objects),
+            strategy=self._strategy,
+        )
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict``/``load_state_dict`` in save_state/load_state.

@@ -69,25 +69,27 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
         staging.mkdir(parents=True)
     ops.barrier()
-    strategy = acc._strategy
-    for i, model in enumerate(acc._models):
+    prepared = acc.prepared()
+    strategy = prepared.strategy
+    for i, model in enumerate(prepared.models):
         state = strategy.model_state_dict(model)  # every rank: FSDP gathers here
         if main:
             atomic_save(state, staging / f"model_{i}.pt")
-    for i, opt in enumerate(acc._optimizers):
-        model = acc._models[0] if acc._models else None
+    for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
+        # Each optimizer through its own model: under FSDP its state is gathered via that model.
         state = strategy.optimizer_state_dict(model, opt.optimizer)
         if main:
             atomic_save(state, staging / f"optimizer_{i}.pt")
     if main:
-        for i, sched in enumerate(acc._schedulers):
+        for i, sched in enumerate(prepared.schedulers):
             atomic_save(sched.state_dict(), staging / f"scheduler_{i}.pt")
-        for i, loader in enumerate(acc._dataloaders):
+        for i, loader in enumerate(prepared.dataloaders):
             atomic_save(loader.state_dict(), staging / f"dataloader_{i}.pt")
-        for i, obj in enumerate(acc._custom_objects):
+        for i, obj in enumerate(prepared.custom_objects):
             atomic_save(obj.state_dict(), staging / f"custom_{i}.pt")
+        scaler = acc.scaler.state_dict() if acc.scaler is not None else {}
         atomic_save(
-            {"precision": acc._precision.state_dict(), "micro_step": acc._gs.micro_step},
+            {"precision": scaler, "micro_step": acc.gradient_state.micro_step},
             staging / "accelerator.pt",
         )
     atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
@@ -113,27 +115,29 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         raise FileNotFoundError(
             f"no checkpoint folder at {path}; pass the folder given to save_state()."
         )
+    prepared = acc.prepared()
+    strategy = prepared.strategy
     expected = len(list(path.glob("model_*.pt")))
-    if expected != len(acc._models):
+    if expected != len(prepared.models):
         raise ValueError(
-            f"the checkpoint at {path} holds {expected} model(s) but {len(acc._models)} were "
+            f"the checkpoint at {path} holds {expected} model(s) but {len(prepared.models)} were "
             "prepared; prepare the same objects, in the same order, before load_state()."
         )
-    for i, model in enumerate(acc._models):
-        acc._strategy.load_model_state_dict(model, _load(path / f"model_{i}.pt"))
-    for i, opt in enumerate(acc._optimizers):
-        model = acc._models[0] if acc._models else None
+    for i, model in enumerate(prepared.models):
+        strategy.load_model_state_dict(model, _load(path / f"model_{i}.pt"))
+    for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         state = _load(path / f"optimizer_{i}.pt")
-        acc._strategy.load_optimizer_state_dict(model, opt.optimizer, state)
-    for i, sched in enumerate(acc._schedulers):
+        strategy.load_optimizer_state_dict(model, opt.optimizer, state)
+    for i, sched in enumerate(prepared.schedulers):
         sched.load_state_dict(_load(path / f"scheduler_{i}.pt"))
-    for i, loader in enumerate(acc._dataloaders):
+    for i, loader in enumerate(prepared.dataloaders):
         loader.load_state_dict(_load(path / f"dataloader_{i}.pt"))
-    for i, obj in enumerate(acc._custom_objects):
+    for i, obj in enumerate(prepared.custom_objects):
         obj.load_state_dict(_load(path / f"custom_{i}.pt", trusted_fallback=True))
     extra = _load(path / "accelerator.pt")
-    acc._precision.load_state_dict(extra["precision"])
-    acc._gs.micro_step = int(extra["micro_step"])
+    if acc.scaler is not None and extra["precision"]:
+        acc.scaler.load_state_dict(extra["precision"])
+    acc.gradient_state.micro_step = int(extra["micro_step"])
     rng_file = path / f"random_states_{acc.process_index}.pt"
     if not rng_file.exists():
         raise FileNotFoundError(
