@@ -26,6 +26,8 @@ ALLOWED = {
 EXCEPTIONS = {
     # The kernel hands this function to multiprocessing as the rank's entry point.
     ("launch", "nbaccel.rank.entry"),
+    # Persistent ranks: the kernel names this command loop as the ranks' function.
+    ("launch", "nbaccel.rank.session_entry"),
 }
 
 

@@ -1,0 +1,391 @@
+"""Persistent ranks: start N ranks once, then run cell after cell on all of them.
+
+A :class:`Ranks` session is a normal launch whose training function is a command loop
+(``nbaccel.rank.session_entry.serve``): the same plan, environment, fork server, containment and
+per-rank pipes as ``notebook_launcher``, plus one command socket per rank. Each rank keeps its
+own namespace, with ``accelerator = nbaccel.Accelerator()`` (the process group formed: gloo on
+CPU, NCCL with one GPU per rank), ``torch`` and ``dist`` (``torch.distributed``) ready.
+
+Example::
+
+    with nbaccel.Ranks(num_processes=2) as ranks:
+        ranks.run("x = torch.ones(2) * (accelerator.process_index + 1)")
+        ranks.run("dist.all_reduce(x); x")       # -> [tensor([3., 3.]), tensor([3., 3.])]
+        ranks.pull("x")                          # the same, tensors on the CPU
+        ranks.push(lr=0.1)
+        ranks.call(lambda: 1)                    # -> [1, 1]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import selectors
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from nbaccel.core import pickling
+from nbaccel.core.config import LaunchConfig
+from nbaccel.core.launch_state import LaunchState, RankState
+from nbaccel.core.session_messages import Command, Done, Hello
+from nbaccel.launch.forkserver import ensure_server
+from nbaccel.launch.group import RankGroup
+from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
+from nbaccel.launch.relay import STOP_GRACE, Relay, load_payload
+from nbaccel.launch.session_cell import RanksBrokenError, reset_state, run_command
+from nbaccel.launch.session_status import StatusTable, rank_rows
+from nbaccel.rank.session_entry import serve
+from nbaccel.ui import View, choose_view
+from nbaccel.ui.text import TextView
+
+START_TIMEOUT = 120.0  # s for every rank to connect its command socket
+SETUP_CODE = "import torch\nimport torch.distributed as dist\nimport nbaccel\naccelerator = nbaccel.Accelerator()\n"
+
+
+class CellTextView(TextView):
+    """The text view for one cell: ``[rankN]`` lines only, no launch banner or summary."""
+
+    def start(self, state: LaunchState) -> None:
+        self._state = state
+        self._last_progress = time.monotonic()
+
+    def finish(self) -> None:
+        self._flush()
+
+
+class Ranks:
+    """N ranks that stay alive across cells (see the module docstring for an example).
+
+    ``num_processes``, ``mixed_precision``, ``start_method`` and ``env`` mean what they mean
+    for ``notebook_launcher``; ``strategy`` ("ddp", "fsdp", ...) goes to each rank's
+    Accelerator; ``timeout`` (seconds) is the default limit per cell; ``gpus`` (e.g. ``[0, 1]``)
+    maps rank i to the i-th listed GPU; ``progress`` picks the view as for a launch.
+    """
+
+    def __init__(
+        self,
+        num_processes: int | None = UNSET,
+        mixed_precision: str | None = UNSET,
+        strategy: str | None = None,
+        timeout: float | None = None,
+        *,
+        gpus: Sequence[int] | None = None,
+        start_method: str = "auto",
+        env: dict[str, str | None] | None = None,
+        progress: bool | str = True,
+        start: bool = True,
+    ) -> None:
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(
+                f"timeout must be a positive number of seconds or None, got {timeout!r}."
+            )
+        self.options = dict(
+            num_processes=num_processes,
+            mixed_precision=mixed_precision,
+            strategy=strategy,
+            gpus=list(gpus) if gpus is not None else None,
+            start_method=start_method,
+            env=env,
+        )
+        self.timeout = timeout
+        self.progress = progress
+        self.names: dict[str, str] = {}  # name -> type name on the ranks, for Tab completion
+        self.running: tuple[str, float] | None = None  # (first line of the cell, started at)
+        self.broken: str | None = None
+        self._plan: LaunchPlan | None = None
+        self._group: RankGroup | None = None
+        self._relay: Relay | None = None
+        self._connections: dict[int, Connection] = {}
+        self._devices: dict[int, tuple[str, int | None]] = {}
+        self._cell = 0
+        self._tmpdir: str | None = None
+        if start:
+            self.start()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return self._group is not None
+
+    @property
+    def world_size(self) -> int:
+        return len(self._plan.specs) if self._plan else 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.pid for r in self._group.ranks] if self._group else []
+
+    def start(self) -> Ranks:
+        """Start the ranks and form the process group; returns once every rank is ready."""
+        __tracebackhide__ = True
+        if self.started:
+            raise RuntimeError(
+                f"{self.world_size} ranks are already running (pids {self.pids}); call stop() "
+                "(`%ranks stop`) first, or restart() (`%ranks restart`)."
+            )
+        self.broken, self.names, self._cell = None, {}, 0
+        self._tmpdir = tempfile.mkdtemp(prefix="nbaccel-ranks-")
+        address = os.path.join(self._tmpdir, "commands")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            server.bind(address)
+            server.listen()
+            self._plan = self._make_plan(address)
+            if self._plan.info.start_method == "forkserver":
+                ensure_server()
+            state = LaunchState(
+                self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
+            )
+            self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
+            self._group.start()
+            self._relay = Relay(self._group, state, CellTextView(), None)
+            self._relay._register()
+            self._accept(server)
+            self._run(Command(cell=0, kind="run", code=SETUP_CODE), None, None)
+        except BaseException:
+            self._shutdown(grace=0)
+            raise
+        finally:
+            server.close()
+        return self
+
+    def _make_plan(self, address: str) -> LaunchPlan:
+        o = self.options
+        config = LaunchConfig.load_default() or LaunchConfig()
+        if o["strategy"] is not None:
+            config = dataclasses.replace(config, strategy=o["strategy"])
+        env = dict(o["env"] or {})
+        nprocs = o["num_processes"]
+        if o["gpus"] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in o["gpus"])
+            nprocs = len(o["gpus"]) if nprocs in (UNSET, None) else nprocs
+        return resolve_plan(
+            serve,
+            (address,),
+            {},
+            config=config,
+            num_processes=nprocs,
+            mixed_precision=o["mixed_precision"],
+            start_method=o["start_method"],
+            use_port="auto",
+            master_addr="127.0.0.1",
+            node_rank=0,
+            num_nodes=1,
+            timeout=None,
+            env=env,
+            return_all=False,
+        )
+
+    def _accept(self, server: socket.socket) -> None:
+        """Take each rank's command connection, watching for a rank that dies first."""
+        selector = selectors.DefaultSelector()
+        selector.register(server, selectors.EVENT_READ, None)
+        for r in self._group.ranks:
+            selector.register(r.sentinel, selectors.EVENT_READ, r)
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            while len(self._connections) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise RanksBrokenError(f"the ranks did not connect within {START_TIMEOUT:g} s")
+                for key, _ in selector.select(0.5):
+                    if key.data is not None:
+                        self._relay._drain(key.data)
+                        diag = self._relay.state.ranks[key.data.rank].diag.strip()
+                        raise RanksBrokenError(f"rank {key.data.rank} exited while starting", diag)
+                    sock, _ = server.accept()
+                    conn = Connection(sock.detach())
+                    if not conn.poll(30):
+                        raise RanksBrokenError("a rank connected but did not say which it is")
+                    hello: Hello = pickle.loads(conn.recv_bytes())
+                    self._connections[hello.rank] = conn
+                    r = next(p for p in self._group.ranks if p.rank == hello.rank)
+                    self._relay._selector.register(
+                        conn.fileno(), selectors.EVENT_READ, (r, "reply")
+                    )
+        finally:
+            selector.close()
+
+    def stop(self) -> None:
+        """Stop every rank (each leaves its command loop; stragglers get SIGTERM, then SIGKILL)."""
+        if not self.started:
+            return
+        for conn in self._connections.values():
+            with contextlib.suppress(OSError):
+                conn.send_bytes(pickle.dumps(Command(cell=-1, kind="stop")))
+        self._shutdown(grace=STOP_GRACE)
+
+    def restart(self) -> Ranks:
+        """Stop the ranks (if any) and start fresh ones with the same settings."""
+        self.stop()
+        return self.start()
+
+    def _shutdown(self, grace: float) -> None:
+        group, relay = self._group, self._relay
+        if group is not None:
+            if not group.wait(grace):
+                group.stop(grace=min(grace, 1.0))
+            group.reap()
+        if relay is not None:
+            with contextlib.suppress(Exception):
+                for r in group.ranks if group else []:
+                    relay._drain(r)
+            relay._selector.close()
+        for conn in self._connections.values():
+            with contextlib.suppress(OSError):
+                conn.close()
+        for r in group.ranks if group else []:
+            with contextlib.suppress(OSError):
+                r.close_pipes()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._group, self._relay, self._connections, self._tmpdir = None, None, {}, None
+
+    def __enter__(self) -> Ranks:
+        if not self.started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._group is not None:
+                self._shutdown(grace=0)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def run(
+        self,
+        code: str,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = UNSET,
+        *,
+        values: bool = True,
+        on_reply: Callable[[Done], None] | None = None,
+    ) -> list[Any]:
+        """Run ``code`` on every (or the listed) rank; return each rank's final-expression value.
+
+        With ``values=False`` the values stay on the ranks and their ``repr`` strings are
+        returned instead (what ``%%ranks`` shows as ``[rankN] Out:``).
+
+        Example::
+
+            ranks.run("accelerator.process_index")     # -> [0, 1]
+        """
+        __tracebackhide__ = True
+        done = self._run(
+            Command(cell=0, kind="run", code=code, want_value=values), ranks, timeout, on_reply
+        )
+        if not values:
+            return [d.value_repr for d in done]
+        return [load_payload(d.rank, d.value) for d in done]
+
+    def call(
+        self, function: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None
+    ) -> list[Any]:
+        """Call ``function(*args)`` on each rank (cloudpickled); return the values in rank order."""
+        __tracebackhide__ = True
+        command = Command(
+            cell=0, kind="call", function=pickling.dumps(function), args=pickling.dumps(args)
+        )
+        return [load_payload(d.rank, d.value) for d in self._run(command, ranks, UNSET)]
+
+    def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Each rank's value of ``name`` (tensors moved to the CPU), in rank order."""
+        __tracebackhide__ = True
+        done = self._run(Command(cell=0, kind="pull", names=[name]), ranks, UNSET)
+        return [load_payload(d.rank, d.value)[0] for d in done]
+
+    def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
+        """Give every (or the listed) rank these names, e.g. ``ranks.push(lr=0.1)``."""
+        __tracebackhide__ = True
+        try:
+            payload = {k: pickling.dumps(v) for k, v in values.items()}
+        except Exception as exc:
+            raise TypeError(f"a pushed value cannot be sent to the ranks: {exc}") from exc
+        self._run(Command(cell=0, kind="push", values=payload), ranks, UNSET)
+
+    def status(self) -> StatusTable:
+        """Per rank: pid, device, memory, state (idle, or running which cell for how long)."""
+        return StatusTable(rank_rows(self))
+
+    def _run(
+        self, command: Command, ranks: Sequence[int] | None, timeout: Any, on_reply=None
+    ) -> list[Done]:
+        __tracebackhide__ = True
+        if self.broken:
+            raise RanksBrokenError(self.broken)
+        if not self.started:
+            raise RuntimeError(
+                "the ranks are not running. Run `%ranks start -n 2` (Python: Ranks(2))."
+            )
+        selected = self._select(ranks)
+        self._cell += 1
+        command.cell = self._cell
+        limit = self.timeout if timeout is UNSET else timeout
+        relay = self._relay
+
+        def notify(done: Done) -> None:
+            self._note(done)
+            if on_reply is not None:
+                on_reply(done)
+
+        reset_state(relay.state, selected)
+        relay.view = CellTextView() if command.cell == 1 else self._view()
+        self.running = (_first_line(command), time.monotonic())
+        relay.view.start(relay.state)
+        try:
+            done = run_command(relay, self._connections, command, selected, limit, notify)
+        except RanksBrokenError as exc:
+            self.broken = exc.reason
+            self._shutdown(grace=0)
+            raise
+        finally:
+            self.running = None
+            with contextlib.suppress(Exception):
+                relay.view.finish()
+        return [done[r] for r in selected]
+
+    def _note(self, done: Done) -> None:
+        self.names.update(done.names)
+        self._devices[done.rank] = (done.device, done.gpu_memory)
+
+    def _select(self, ranks: Sequence[int] | None) -> list[int]:
+        everyone = [s.rank for s in self._plan.specs]
+        if ranks is None:
+            return everyone
+        chosen = sorted({int(r) for r in ranks})
+        bad = [r for r in chosen if r not in everyone]
+        if bad or not chosen:
+            raise ValueError(f"no rank {bad or chosen}: the ranks are {everyone}.")
+        return chosen
+
+    def _view(self) -> View:
+        view = choose_view(self.progress)
+        return (
+            CellTextView(show_progress=self.progress is not False)
+            if isinstance(view, TextView)
+            else view
+        )
+
+    def __repr__(self) -> str:
+        if not self.started:
+            what = f"broken: {self.broken}" if self.broken else "not running"
+        else:
+            what = self._plan.info.describe()
+        return f"<nbaccel.Ranks {what}>"
+
+
+def _first_line(command: Command) -> str:
+    """What ``%ranks status`` says a rank runs: the cell's first line, or the command's kind."""
+    lines = (command.code or "").strip().splitlines()
+    return lines[0][:60] if lines else command.kind

@@ -1,0 +1,258 @@
+"""One command on persistent ranks, seen from the kernel: send it, follow the ranks, judge the end.
+
+While a command runs, :func:`run_command` waits on every rank's pipes (read through the session's
+:class:`~nbaccel.launch.relay.Relay`, so output lines, progress and the views work as for a
+launch), its command socket and its exit sentinel. It returns each rank's
+:class:`~nbaccel.core.session_messages.Done`, or raises:
+
+- :class:`CellError` when the code raised on some rank (the ranks live on, with their state);
+- ``KeyboardInterrupt`` after the stop button: every rank's cell code got a KeyboardInterrupt;
+- :class:`CellTimeoutError` after ``timeout``: each rank's stack, then the cell is interrupted;
+- :class:`RanksBrokenError` when a rank died, a collective was left half-done (a rank waits in a
+  torch.distributed call while another rank is already done with the cell), or the ranks did not
+  stop after an interrupt. The caller then stops the group: nothing hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
+from nbaccel.core.events import STACK_DUMP_SIGNAL
+from nbaccel.core.failures import describe_exit, describe_raise
+from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, LaunchState
+from nbaccel.core.session_messages import Blocked, Command, Done
+from nbaccel.launch.relay import Relay
+
+TICK = 0.05
+COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
+INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT
+START_AGAIN = "Run `%ranks start` (Python: `ranks.start()`) to start fresh ranks."
+
+
+class RanksBrokenError(LaunchError):
+    """The ranks cannot go on (a rank died, a collective was left half-done); they were stopped."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        text = (
+            f"the ranks are broken: {reason}. The other ranks were stopped and every rank's "
+            f"state is lost. {START_AGAIN}"
+        )
+        super().__init__(text + (f"\n\n{detail.rstrip()}" if detail.strip() else ""))
+
+
+class CellError(RankFailedError):
+    """The code raised on some rank; every rank is still alive and keeps its namespace."""
+
+    def _message(self) -> str:
+        return super()._message() + "\n(The ranks are alive and keep their state.)"
+
+
+class CellTimeoutError(LaunchTimeoutError):
+    """The cell ran past its timeout; it was interrupted on every rank, which stay alive."""
+
+    def __init__(self, timeout: float, running: list[int], stacks: dict[int, str]) -> None:
+        super().__init__(timeout, running, stacks)
+        first = self.args[0].replace("the launch did not finish", "the cell did not finish", 1)
+        self.args = (first + "\n\nThe cell was interrupted; the ranks are alive.",)
+
+
+def run_command(
+    relay: Relay,
+    connections: dict[int, Any],
+    command: Command,
+    ranks: list[int],
+    timeout: float | None,
+    on_reply: Callable[[Done], None] = lambda done: None,
+) -> dict[int, Done]:
+    """Send ``command`` to ``ranks`` and follow them until each answered; see the module doc."""
+    __tracebackhide__ = True
+    return _Follow(relay, connections, command, ranks, timeout, on_reply).run()
+
+
+class _Follow:
+    def __init__(self, relay, connections, command, ranks, timeout, on_reply) -> None:
+        self.relay, self.connections, self.command = relay, connections, command
+        self.ranks, self.timeout, self.on_reply = ranks, timeout, on_reply
+        self.processes = {r.rank: r for r in relay.group.ranks}
+        self.done: dict[int, Done] = {}
+        self.blocked: dict[int, tuple[Blocked, float]] = {}
+        self.interrupted_at: float | None = None
+        self.stacks: dict[int, str] | None = None
+
+    @property
+    def pending(self) -> list[int]:
+        return [r for r in self.ranks if r not in self.done]
+
+    def run(self) -> dict[int, Done]:
+        data = pickle.dumps(self.command, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank in self.ranks:
+            try:
+                self.connections[rank].send_bytes(data)
+            except OSError:
+                self._on_exit(rank)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while self.pending:
+            try:
+                self._step()
+                if deadline is not None and time.monotonic() > deadline and self.stacks is None:
+                    self._time_out()
+            except KeyboardInterrupt:
+                if self.interrupted_at is not None:
+                    raise RanksBrokenError("a second interrupt stopped them") from None
+                self._interrupt()
+        return self._verdict()
+
+    def _step(self) -> None:
+        for key, _ in self.relay._selector.select(TICK):
+            r, kind = key.data
+            if kind == "reply":
+                self._on_reply(r.rank)
+            elif kind == "exit":
+                self._on_exit(r.rank)
+            else:
+                self.relay._read(r, kind)
+        self._check_collectives()
+        if (
+            self.interrupted_at is not None
+            and time.monotonic() > self.interrupted_at + INTERRUPT_GRACE
+        ):
+            ranks = ", ".join(map(str, self.pending))
+            raise RanksBrokenError(
+                f"rank {ranks} did not stop within {INTERRUPT_GRACE:g} s of the interrupt "
+                "(stuck in C code or a collective)",
+                self._stack_text(),
+            )
+        self.relay.view.update()
+
+    def _on_reply(self, rank: int) -> None:
+        try:
+            message = pickle.loads(self.connections[rank].recv_bytes())
+        except (EOFError, OSError):
+            with contextlib.suppress(KeyError, ValueError):
+                self.relay._selector.unregister(self.connections[rank].fileno())
+            return  # the exit sentinel tells the rest
+        if isinstance(message, Blocked):
+            if message.cell == self.command.cell and message.op is not None:
+                self.blocked[rank] = (message, time.monotonic())
+            else:
+                self.blocked.pop(rank, None)
+        elif isinstance(message, Done) and message.cell == self.command.cell:
+            self.blocked.pop(rank, None)
+            self.done[rank] = message
+            state = self.relay.state.ranks[rank]
+            state.ended_at = time.monotonic()
+            state.status = FAILED if message.failure is not None else FINISHED
+            if message.failure is not None:
+                state.error_line = message.failure.message.splitlines()[0][:200] or None
+            self._drain_output(rank)
+            self.on_reply(message)
+
+    def _drain_output(self, rank: int) -> None:
+        """The rank flushed its output before answering: show all of it in this cell."""
+        r = self.processes[rank]
+        for kind in ("events", "stdout", "stderr"):
+            with contextlib.suppress(OSError, ValueError):
+                while self.relay._read(r, kind):
+                    pass
+
+    def _on_exit(self, rank: int) -> None:
+        r = self.processes[rank]
+        with contextlib.suppress(OSError, ValueError):
+            self.relay._drain(r)
+        code = self.relay.group.collect_exit(r)
+        crash = self.relay.state.ranks[rank].diag.strip()
+        raise RanksBrokenError(f"rank {rank} {describe_exit(code)}", self._failures_text() + crash)
+
+    def _check_collectives(self) -> None:
+        now = time.monotonic()
+        idle = [r for r in self.processes if r not in self.pending]
+        if not idle:
+            return
+        for rank, (message, since) in self.blocked.items():
+            if now - since > COLLECTIVE_GRACE:
+                where = f" ({message.where})" if message.where else ""
+                others = ", ".join(map(str, idle))
+                raise RanksBrokenError(
+                    f"rank {rank} waits in torch.distributed.{message.op}{where} for rank "
+                    f"{others}, which {'has' if len(idle) == 1 else 'have'} already finished "
+                    "this cell, so the collective can never complete",
+                    self._failures_text(),
+                )
+
+    def _interrupt(self) -> None:
+        self.interrupted_at = time.monotonic()
+        alive = [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
+        self.relay.group.send_signal(alive, signal.SIGINT)
+
+    def _time_out(self) -> None:
+        alive = [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
+        state = self.relay.state
+        before = {r.rank: len(state.ranks[r.rank].diag) for r in alive}
+        self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
+        self.relay._collect_stacks(alive)
+        self.stacks = {r.rank: state.ranks[r.rank].diag[before[r.rank] :] for r in alive}
+        self._interrupt()
+
+    def _stack_text(self) -> str:
+        if not self.stacks:
+            return ""
+        return "\n\n".join(
+            f"--- rank {rank} stack at timeout ---\n{stack.strip() or '(no stack received)'}"
+            for rank, stack in sorted(self.stacks.items())
+        )
+
+    def _failures_text(self) -> str:
+        parts = [
+            f"--- rank {d.rank} traceback ---\n{d.failure.traceback.rstrip()}\n"
+            for d in self.done.values()
+            if d.failure is not None
+        ]
+        return "\n".join(parts) + ("\n" + self._stack_text() if self.stacks else "")
+
+    def _verdict(self) -> dict[int, Done]:
+        if self.stacks is not None:
+            raise CellTimeoutError(self.timeout or 0.0, sorted(self.stacks), self.stacks)
+        if self.interrupted_at is not None or any(d.interrupted for d in self.done.values()):
+            ranks = ", ".join(str(r) for r in self.ranks)
+            raise KeyboardInterrupt(
+                f"cell interrupted on rank {ranks}; the ranks are alive and keep their state"
+            )
+        failed = [d for d in self.done.values() if d.failure is not None]
+        if failed:
+            raise _cell_error(failed, self.relay.state)
+        return self.done
+
+
+def _cell_error(failed: list[Done], state: LaunchState) -> CellError:
+    first, *rest = sorted(failed, key=lambda d: d.rank)
+    f = first.failure
+    others = tuple(
+        f"rank {d.rank} {describe_raise(d.failure.exc_type, d.failure.message)}" for d in rest
+    )
+    return CellError(
+        first.rank,
+        state.info.world_size,
+        describe_raise(f.exc_type, f.message),
+        f.traceback,
+        exc_type=f.exc_type,
+        original=load_exception(f.exception),
+        other_failures=others,
+    )
+
+
+def reset_state(state: LaunchState, ranks: list[int]) -> None:
+    """Mark ``ranks`` as running a new cell (the others keep their last status)."""
+    now = time.monotonic()
+    state.started_at, state.ended_at, state.outcome = now, None, None
+    for rank in ranks:
+        s = state.ranks[rank]
+        s.status, s.started_at, s.ended_at, s.error_line = RUNNING, now, None, None
+        s.bars.clear()
+

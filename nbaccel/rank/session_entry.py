@@ -1,0 +1,239 @@
+"""A persistent rank's command loop: run the kernel's cells in this rank's own namespace.
+
+:func:`serve` is the "training function" of a normal notebook rank (``rank.entry.run_rank`` runs
+it), so output pipes, containment and the exit protocol are those of a launch. It connects to the
+kernel's command socket, then runs each :class:`~nbaccel.core.session_messages.Command` and
+answers with one ``Done``. SIGINT raises ``KeyboardInterrupt`` inside the cell's code only, once
+per cell; between cells the rank ignores it. A watcher thread reports when the cell's code has
+been waiting inside a torch.distributed call for a while (``Blocked``), so the kernel can tell a
+collective that other ranks will never join from a slow cell. Never imports IPython.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Client
+from typing import Any
+
+from nbaccel.core import events, pickling
+from nbaccel.core.session_messages import Blocked, Command, Done, Hello
+from nbaccel.rank import entry, exit
+
+BLOCKED_AFTER = 0.3  # seconds inside one torch.distributed call before the kernel is told
+WATCH_INTERVAL = 0.1
+
+
+class _Cell:
+    """Whether cell code runs now; shared by the loop, the SIGINT handler and the watcher."""
+
+    def __init__(self) -> None:
+        self.number: int | None = None
+        self.interrupted = False
+
+
+def _on_sigint(cell: _Cell) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        # Only cell code is interrupted, and only once per cell: Jupyter's stop button reaches
+        # the ranks directly (same process group) and through the kernel, which sends it again.
+        if cell.number is not None and not cell.interrupted:
+            cell.interrupted = True
+            raise KeyboardInterrupt
+
+    return handler
+
+
+def serve(address: str) -> None:
+    """Connect to the kernel at ``address`` (a Unix socket) and run its commands until "stop".
+
+    Example (what ``nbaccel.Ranks`` ships as the rank's function)::
+
+        notebook_launcher(serve, args=(address,), num_processes=2)
+    """
+    conn = Client(address, family="AF_UNIX")
+    rank = int(os.environ.get("RANK", "0"))
+    lock = threading.Lock()
+
+    def send(message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with lock:
+            conn.send_bytes(data)
+
+    cell = _Cell()
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    signal.signal(signal.SIGINT, _on_sigint(cell))
+    threading.Thread(
+        target=_watch_collectives, args=(cell, rank, send), name="nbaccel-watch", daemon=True
+    ).start()
+    send(Hello(rank=rank, pid=os.getpid()))
+    while True:
+        try:
+            command: Command = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the kernel has gone; the rank ends like a finished launch
+        if command.kind == "stop":
+            return
+        done = _execute(command, namespace, cell, rank)
+        exit.flush_output()  # output before the answer, so the kernel shows it in this cell
+        try:
+            send(done)
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int) -> Done:
+    done = Done(rank=rank, cell=command.cell)
+    cell.interrupted = False
+    cell.number = command.cell
+    try:
+        try:
+            value = _dispatch(command, namespace, done)
+        finally:
+            cell.number = None
+        if command.kind == "run" and value is not None:
+            namespace["_"] = value
+            done.value_repr = _safe_repr(value)
+        if value is not None and (command.kind != "run" or command.want_value):
+            done.value = pickling.dumps(entry._to_cpu(value))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
+        done.interrupted = isinstance(exc, KeyboardInterrupt) and cell.interrupted
+        done.failure = _failure(exc, rank)
+    done.names = _summary(namespace)
+    done.device, done.gpu_memory = _device()
+    return done
+
+
+def _dispatch(command: Command, namespace: dict[str, Any], done: Done) -> Any:
+    if command.kind == "run":
+        return run_code(command.code or "", namespace, f"<rank cell {command.cell}>")
+    if command.kind == "call":
+        function = pickle.loads(command.function)
+        args = pickle.loads(command.args) if command.args else ()
+        return function(*args)
+    if command.kind == "push":
+        for name, data in (command.values or {}).items():
+            namespace[name] = pickle.loads(data)
+        return None
+    if command.kind == "pull":
+        missing = [n for n in command.names or [] if n not in namespace]
+        if missing:
+            raise NameError(f"name {missing[0]!r} is not defined on this rank")
+        return [namespace[n] for n in command.names or []]
+    raise ValueError(f"unknown command {command.kind!r}")
+
+
+def run_code(code: str, namespace: dict[str, Any], filename: str) -> Any:
+    """Run ``code`` in ``namespace`` as a notebook cell: return its final expression's value.
+
+    >>> ns = {}
+    >>> run_code("x = 2\\nx * 21", ns, "<cell>")
+    42
+    """
+    tree = ast.parse(code, filename, "exec")
+    # The source is kept so that tracebacks show the cell's lines, as IPython does.
+    lines = code.splitlines(keepends=True)
+    linecache.cache[filename] = (len(code), None, lines, filename)
+    last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    if last is not None:
+        tree.body.pop()
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+
+
+def _is_plumbing(filename: str) -> bool:
+    return filename in (__file__, entry.__file__)
+
+
+def _failure(exc: BaseException, rank: int) -> events.Failure:
+    try:
+        pickled = pickling.dumps(exc)
+        pickle.loads(pickled)  # only send what the kernel will be able to load
+    except Exception:
+        pickled = None
+    kind = type(exc)
+    return events.Failure(
+        rank=rank,
+        exc_type=f"{kind.__module__}.{kind.__qualname__}",
+        message=str(exc),
+        traceback=exit.user_traceback(exc, _is_plumbing),
+        exception=pickled,
+    )
+
+
+def _safe_repr(value: Any, limit: int = 2000) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not fail the cell
+        text = f"<{type(value).__name__} object; repr failed: {exc}>"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _summary(namespace: dict[str, Any]) -> dict[str, str]:
+    """Name -> type name of the user's names, for Tab completion in the kernel."""
+    return {
+        k: type(v).__name__
+        for k, v in namespace.items()
+        if not k.startswith("_") and k not in ("In", "Out")
+    }
+
+
+def _device() -> tuple[str, int | None]:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return "cpu", None
+    index = torch.cuda.current_device()
+    return f"cuda:{index}", int(torch.cuda.memory_allocated(index))
+
+
+def _watch_collectives(cell: _Cell, rank: int, send: Any) -> None:
+    """Tell the kernel when cell code waits inside one torch.distributed call, and when not."""
+    main = threading.main_thread().ident
+    reported: tuple[int, str] | None = None
+    seen: tuple[int, str] | None = None
+    since = 0.0
+    while True:
+        time.sleep(WATCH_INTERVAL)
+        number = cell.number
+        frame = sys._current_frames().get(main) if number is not None else None
+        op, where = _collective(frame) if frame is not None else (None, "")
+        now_key = (number, op) if op is not None and number is not None else None
+        if now_key != seen:
+            seen, since = now_key, time.monotonic()
+        try:
+            if (
+                now_key is not None
+                and now_key != reported
+                and time.monotonic() - since > BLOCKED_AFTER
+            ):
+                send(Blocked(rank=rank, cell=now_key[0], op=now_key[1], where=where))
+                reported = now_key
+            elif reported is not None and now_key != reported:
+                send(Blocked(rank=rank, cell=reported[0], op=None))
+                reported = None
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _collective(frame: Any) -> tuple[str | None, str]:
+    """The torch.distributed function the stack is in (innermost), and the cell line calling it."""
+    op, where = None, ""
+    while frame is not None:
+        code = frame.f_code
+        filename = code.co_filename.replace("\\", "/")
+        if op is None and "/torch/distributed/" in filename and not code.co_name.startswith("_"):
+            if code.co_name != "wrapper":
+                op = code.co_name
+        elif op is not None and filename.startswith("<rank cell"):
+            where = f"line {frame.f_lineno} of the cell"
+            break
+        frame = frame.f_back
+    return op, where
