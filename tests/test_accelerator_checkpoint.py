@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbaccel
+
+pytestmark = pytest.mark.slow  # real training runs, and a subprocess killed mid-save
 
 REPO = Path(__file__).resolve().parent.parent
 

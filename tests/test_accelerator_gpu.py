@@ -13,6 +13,7 @@ from tests.test_accelerator_training import train_linear, train_mixed
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none visible"),
 ]
 

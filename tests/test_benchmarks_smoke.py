@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
+
+pytestmark = pytest.mark.slow  # the whole benchmark runner, end to end
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("launch", "steps", "iopub", "failure", "rss")

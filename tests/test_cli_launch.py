@@ -52,6 +52,7 @@ def _compute_function():
     return namespace["compute"]
 
 
+@pytest.mark.slow
 def test_launch_two_processes_matches_notebook(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB + SCRIPT_MAIN)
@@ -94,6 +95,7 @@ def test_launch_two_processes_matches_notebook(tmp_path):
     assert not processes_mentioning(str(script))
 
 
+@pytest.mark.slow
 def test_failing_rank_is_named_with_its_traceback(tmp_path):
     script = tmp_path / "broken.py"
     script.write_text(
@@ -123,6 +125,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
     assert not processes_mentioning(str(script))
 
 
+@pytest.mark.slow
 def test_two_machines_on_one_host_form_one_world(tmp_path):
     script = tmp_path / "allreduce.py"
     script.write_text(
@@ -177,6 +180,7 @@ def test_bad_input_starts_nothing(tmp_path):
     assert "launching" not in bad_file.stdout
 
 
+@pytest.mark.slow
 def test_tqdm_bars_become_whole_labelled_lines(tmp_path):
     """Carriage-return redraws would garble the per-rank labelled lines; bars print lines."""
     script = tmp_path / "bars.py"

@@ -9,6 +9,8 @@ import pytest
 
 from tests.kernel_helpers import Cell, KernelSession
 
+pytestmark = pytest.mark.slow  # a real kernel
+
 WIDGET_MESSAGES = ("comm_msg", "display_data", "update_display_data")
 
 

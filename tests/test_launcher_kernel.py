@@ -11,6 +11,8 @@ import pytest
 
 from tests.kernel_helpers import KernelSession
 
+pytestmark = pytest.mark.slow  # a real kernel
+
 
 @pytest.fixture(scope="module")
 def kernel():
@@ -80,7 +82,8 @@ def test_failing_rank_shows_rank_type_message_and_user_code(kernel):
     assert "in train" in text
 
 
-def test_interrupt_stops_every_rank_and_raises_keyboardinterrupt_once(kernel):
+def run_and_interrupt_once_both_ranks_train(kernel):
+    """Launch two ranks that sleep, and interrupt the kernel once both have said so."""
     code = cell("""
         def train():
             print("training", flush=True)
@@ -99,7 +102,11 @@ def test_interrupt_stops_every_rank_and_raises_keyboardinterrupt_once(kernel):
                 seen.add("sent")
                 kernel.interrupt()
 
-    result = kernel.execute(code, on_message=interrupt_when_both_run, timeout=120)
+    return kernel.execute(code, on_message=interrupt_when_both_run, timeout=120)
+
+
+def test_interrupt_stops_every_rank_and_raises_keyboardinterrupt_once(kernel):
+    result = run_and_interrupt_once_both_ranks_train(kernel)
     assert result.error is not None and result.error["ename"] == "KeyboardInterrupt"
     assert result.error_text.count("Traceback") == 1
     assert "all 2 ranks were stopped" in result.error["evalue"]
@@ -111,6 +118,22 @@ def test_interrupt_stops_every_rank_and_raises_keyboardinterrupt_once(kernel):
 
 
 def test_launch_after_interrupt_and_failure_works(kernel):
+    """The same kernel interrupts one launch and sees another fail, then launches again."""
+    interrupted = run_and_interrupt_once_both_ranks_train(kernel)
+    assert interrupted.error is not None and interrupted.error["ename"] == "KeyboardInterrupt"
+    failed = kernel.execute(
+        cell("""
+        def train():
+            if os.environ["RANK"] == "1":
+                raise ValueError("rank one gives up")
+            time.sleep(600)
+
+        nbaccel.notebook_launcher(train, num_processes=2)
+    """)
+    )
+    assert failed.error is not None and failed.error["ename"] == "RankFailedError"
+    assert "rank one gives up" in failed.error_text
+
     result = kernel.execute(
         cell("""
         def train():
@@ -124,17 +147,46 @@ def test_launch_after_interrupt_and_failure_works(kernel):
 
 
 def test_cuda_free_kernel_class_and_global_from_earlier_cells(kernel):
-    kernel.execute("SCALE = 7\nclass Box:\n    def __init__(self, v): self.v = v")
-    result = kernel.execute(
-        cell("""
-        def train():
-            return Box(SCALE * (int(os.environ["RANK"]) + 1))
+    """Ranks see a class and a global from earlier cells, and the launch leaves CUDA
+    uninitialised in the kernel (forked ranks could not use it otherwise).
 
-        [b.v for b in nbaccel.notebook_launcher(train, num_processes=2, return_all=True)]
+    ``is_initialized()`` alone stays False on a machine without a GPU whatever the launcher
+    does, so the kernel also records calls to ``torch.cuda._lazy_init``, the step through which
+    placing a tensor on a GPU and torch.cuda's own functions initialise CUDA: that part of the
+    check can fail on any machine.
+    """
+    setup = kernel.execute(
+        cell("""
+        import torch
+        SCALE = 7
+        class Box:
+            def __init__(self, v): self.v = v
+
+        _cuda_inits = []
+        _real_lazy_init = torch.cuda._lazy_init
+        def _recording_lazy_init(*a, **k):
+            _cuda_inits.append(1)
+            return _real_lazy_init(*a, **k)
+        torch.cuda._lazy_init = _recording_lazy_init
     """)
     )
-    assert result.error is None, result.error_text
-    assert result.results[-1]["text/plain"] == "[7, 14]"
+    assert setup.error is None, setup.error_text
+    try:
+        result = kernel.execute(
+            cell("""
+            def train():
+                return Box(SCALE * (int(os.environ["RANK"]) + 1))
+
+            [b.v for b in nbaccel.notebook_launcher(train, num_processes=2, return_all=True)]
+        """)
+        )
+        assert result.error is None, result.error_text
+        assert result.results[-1]["text/plain"] == "[7, 14]"
+        cuda = kernel.execute("(torch.cuda.is_initialized(), len(_cuda_inits))")
+        assert cuda.error is None, cuda.error_text
+        assert cuda.results[-1]["text/plain"] == "(False, 0)", "the kernel initialised CUDA"
+    finally:
+        kernel.execute("torch.cuda._lazy_init = _real_lazy_init")
 
 
 def test_ranks_do_not_inherit_the_inline_matplotlib_backend(kernel):
