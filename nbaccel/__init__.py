@@ -71,4 +71,28 @@ def _warm_up_in_kernel() -> None:
         pass
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbaccel``: the ``%ranks``/``%%ranks`` magics for persistent ranks."""
+    from nbaccel.launch.magics import register
+
+    register(ipython)
+
+
+def _register_magics_in_ipython() -> None:
+    """Make ``%ranks`` available after ``import nbaccel`` in IPython (never inside a rank)."""
+    from nbaccel.core.config import ENV_LAUNCHER
+
+    if os.environ.get(ENV_LAUNCHER) or "IPython" not in sys.modules:
+        return
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            load_ipython_extension(shell)
+    except Exception:  # noqa: BLE001 - the magics are a convenience; import must not fail
+        pass
+
+
 _warm_up_in_kernel()
+_register_magics_in_ipython()

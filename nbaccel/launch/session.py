@@ -33,13 +33,14 @@ from typing import Any
 
 from nbaccel.core import pickling
 from nbaccel.core.config import LaunchConfig
+from nbaccel.core.errors import RankFailedError
 from nbaccel.core.launch_state import LaunchState, RankState
 from nbaccel.core.session_messages import Command, Done, Hello
 from nbaccel.launch.forkserver import ensure_server
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
 from nbaccel.launch.relay import STOP_GRACE, Relay, load_payload
-from nbaccel.launch.session_cell import RanksBrokenError, reset_state, run_command
+from nbaccel.launch.session_cell import CellError, RanksBrokenError, reset_state, run_command
 from nbaccel.launch.session_status import StatusTable, rank_rows
 from nbaccel.rank.session_entry import serve
 from nbaccel.ui import View, choose_view
@@ -149,13 +150,29 @@ class Ranks:
             self._relay = Relay(self._group, state, CellTextView(), None)
             self._relay._register()
             self._accept(server)
-            self._run(Command(cell=0, kind="run", code=SETUP_CODE), None, None)
+            self._set_up()
         except BaseException:
             self._shutdown(grace=0)
             raise
         finally:
             server.close()
         return self
+
+    def _set_up(self) -> None:
+        """Form the process group and make ``accelerator`` on every rank."""
+        __tracebackhide__ = True
+        try:
+            self._run(Command(cell=0, kind="run", code=SETUP_CODE), None, None)
+        except CellError as exc:
+            raise RankFailedError(
+                exc.rank,
+                exc.world_size,
+                f"failed while starting (Accelerator(), process group): {exc.summary}",
+                exc.remote_traceback,
+                exc_type=exc.exc_type,
+                original=exc.original,
+                other_failures=exc.other_failures,
+            ) from None
 
     def _make_plan(self, address: str) -> LaunchPlan:
         o = self.options

@@ -150,7 +150,8 @@ class _Follow:
             state.ended_at = time.monotonic()
             state.status = FAILED if message.failure is not None else FINISHED
             if message.failure is not None:
-                state.error_line = message.failure.message.splitlines()[0][:200] or None
+                f = message.failure
+                state.error_line = describe_raise(f.exc_type, f.message).splitlines()[0][:200]
             self._drain_output(rank)
             self.on_reply(message)
 
@@ -255,4 +256,3 @@ def reset_state(state: LaunchState, ranks: list[int]) -> None:
         s = state.ranks[rank]
         s.status, s.started_at, s.ended_at, s.error_line = RUNNING, now, None, None
         s.bars.clear()
-

@@ -1,0 +1,208 @@
+"""IPython magics for persistent ranks: ``%ranks`` (start, stop, status, ...) and ``%%ranks``.
+
+Registered by ``%load_ext nbaccel`` and when ``nbaccel`` is imported in IPython. This module
+imports only IPython at load time; the rank machinery loads with the first ``%ranks start``.
+
+Example (notebook cells)::
+
+    %ranks start -n 2
+    %%ranks
+    x = torch.ones(2) * accelerator.process_index
+    x                               # [rank0] Out: tensor([0., 0.])  [rank1] Out: ...
+    %ranks pull x                   # the kernel's x: [tensor([0., 0.]), tensor([1., 1.])]
+    %ranks auto on                  # every cell runs on the ranks; %%local cells in the kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+
+USAGE = """\
+%ranks start -n N [--mixed_precision bf16] [--strategy ddp] [--timeout S] [--gpus 0,1]
+%%ranks [--rank 0,1] [--timeout S]     run the cell on every (or the listed) rank
+%ranks pull NAME ...                   NAME = [each rank's value] in the kernel
+%ranks push NAME ...                   every rank gets the kernel's NAME
+%ranks status | stop | restart | auto on|off"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would exit the kernel's process
+        raise UsageError(f"{self.prog}: {message}\n\n{USAGE}")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.replace(" ", "").split(",") if p]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0,1, got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+_START = _Parser(prog="%ranks start", add_help=False)
+_START.add_argument("-n", "--num_processes", "--num-processes", type=int, default=None)
+_START.add_argument("--mixed_precision", "--mixed-precision", default=None)
+_START.add_argument("--strategy", default=None)
+_START.add_argument("--timeout", type=_seconds, default=None)
+_START.add_argument("--gpus", type=_ints, default=None)
+_CELL = _Parser(prog="%%ranks", add_help=False)
+_CELL.add_argument("--rank", "--ranks", type=_ints, default=None)
+_CELL.add_argument("--timeout", type=_seconds, default=None)
+
+
+@magics_class
+class RanksMagics(Magics):
+    """``%ranks``/``%%ranks``; one session of persistent ranks per kernel."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.session: Any = None  # nbaccel.launch.session.Ranks
+        self.auto = False
+        self._start_args: dict[str, Any] = {}
+
+    @line_cell_magic
+    def ranks(self, line: str, cell: str | None = None) -> Any:
+        __tracebackhide__ = True
+        if cell is not None:
+            return self._run_cell(line, cell)
+        words = shlex.split(line)
+        if not words:
+            raise UsageError(USAGE)
+        command, rest = words[0], words[1:]
+        handler = getattr(self, f"_cmd_{command}", None)
+        if handler is None:
+            raise UsageError(f"unknown %ranks command {command!r}.\n\n{USAGE}")
+        return handler(rest)
+
+    # -- subcommands ------------------------------------------------------------------------
+
+    def _cmd_start(self, words: list[str]) -> None:
+        __tracebackhide__ = True
+        from nbaccel.launch.plan import UNSET
+        from nbaccel.launch.session import Ranks
+
+        if self.session is not None and self.session.started:
+            s = self.session
+            raise UsageError(
+                f"{s.world_size} ranks are already running (pids {s.pids}). Run `%ranks stop` "
+                "first, or `%ranks restart` to start them again with the same settings."
+            )
+        a = _START.parse_args(words)
+        self._start_args = dict(
+            num_processes=a.num_processes if a.num_processes is not None else UNSET,
+            mixed_precision=a.mixed_precision if a.mixed_precision is not None else UNSET,
+            strategy=a.strategy,
+            timeout=a.timeout,
+            gpus=a.gpus,
+        )
+        self.session = Ranks(**self._start_args)
+        print(
+            f"nbaccel: {self.session.world_size} ranks ready ({self.session._plan.info.describe()})"
+        )
+
+    def _cmd_restart(self, words: list[str]) -> None:
+        __tracebackhide__ = True
+        if self.session is None:
+            raise UsageError("no ranks to restart; run `%ranks start -n 2` first.")
+        self.session.stop()
+        self.session.start()
+        print(f"nbaccel: {self.session.world_size} ranks restarted")
+
+    def _cmd_stop(self, words: list[str]) -> None:
+        if self.session is not None and self.session.started:
+            n = self.session.world_size
+            self.session.stop()
+            print(f"nbaccel: {n} ranks stopped")
+        self.auto = False
+
+    def _cmd_status(self, words: list[str]) -> Any:
+        if self.session is None:
+            raise UsageError("no ranks; run `%ranks start -n 2` first.")
+        return self.session.status()
+
+    def _cmd_pull(self, words: list[str]) -> None:
+        __tracebackhide__ = True
+        if not words:
+            raise UsageError("%ranks pull NAME ...: which names?")
+        for name in words:
+            self.shell.user_ns[name] = self._session().pull(name)
+
+    def _cmd_push(self, words: list[str]) -> None:
+        __tracebackhide__ = True
+        missing = [n for n in words if n not in self.shell.user_ns]
+        if not words or missing:
+            raise UsageError(f"%ranks push NAME ...: {missing or 'which names?'} not defined here.")
+        self._session().push(**{n: self.shell.user_ns[n] for n in words})
+
+    def _cmd_auto(self, words: list[str]) -> None:
+        if words not in (["on"], ["off"]):
+            raise UsageError("%ranks auto on|off")
+        self.auto = words == ["on"]
+        where = "on the ranks (start a cell with %%local to run it here)" if self.auto else "here"
+        print(f"nbaccel: cells now run {where}")
+
+    # -- cells ------------------------------------------------------------------------------
+
+    def _run_cell(self, line: str, cell: str) -> None:
+        __tracebackhide__ = True
+        from nbaccel.launch.plan import UNSET
+
+        a = _CELL.parse_args(shlex.split(line))
+        timeout = a.timeout if a.timeout is not None else UNSET
+        reprs = self._session().run(cell, ranks=a.rank, timeout=timeout, values=False)
+        ranks = a.rank if a.rank is not None else range(len(reprs))
+        for rank, text in zip(sorted(set(ranks)), reprs, strict=True):
+            if text is not None:
+                print(f"[rank{rank}] Out: {text}")
+
+    def _session(self) -> Any:
+        if self.session is None:
+            raise UsageError("no ranks are running; start them with `%ranks start -n 2`.")
+        return self.session
+
+    def _stop_at_exit(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+
+    # -- auto mode and completion -----------------------------------------------------------
+
+    def transform(self, lines: list[str]) -> list[str]:
+        """Input transformer: in auto mode, run cells on the ranks unless they start %%local."""
+        first = next((ln.strip() for ln in lines if ln.strip()), "")
+        if first.startswith("%%local"):
+            index = next(i for i, ln in enumerate(lines) if ln.strip())
+            return lines[:index] + lines[index + 1 :]
+        if not self.auto or not first or first.startswith(("%ranks", "%%ranks")):
+            return lines
+        return ["%%ranks\n", *lines]
+
+    def complete(self, text: str) -> list[str]:
+        """Tab completion of the names defined on the ranks (from the last cell's summary)."""
+        if self.session is None or "." in text:
+            return []
+        return sorted(n for n in self.session.names if n.startswith(text))
+
+
+def register(shell: Any) -> RanksMagics:
+    """Add the magics, the auto-mode transformer and the completer to ``shell`` (once)."""
+    existing = getattr(shell, "_nbaccel_ranks_magics", None)
+    if existing is not None:
+        return existing
+    magics = RanksMagics(shell)
+    shell.register_magics(magics)
+    shell.input_transformers_cleanup.append(magics.transform)
+    shell.Completer.custom_matchers.append(magics.complete)
+    shell._nbaccel_ranks_magics = magics
+    atexit.register(magics._stop_at_exit)
+    return magics

@@ -1,0 +1,197 @@
+"""``%ranks``/``%%ranks`` in a real ipykernel: what a notebook user sees, cell after cell.
+
+One kernel and one set of 2 CPU ranks serve the module; tests that break or stop the ranks
+start them again. Every test leaves the ranks either running or stopped, never half-way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.kernel_helpers import KernelSession
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with KernelSession(startup="import nbaccel") as k:
+        yield k
+
+
+@pytest.fixture
+def ranks(kernel):
+    """2 running ranks (started once, or again after a test broke or stopped them)."""
+    cell = kernel.execute(
+        "_m = get_ipython()._nbaccel_ranks_magics\nprint(bool(_m.session and _m.session.started))"
+    )
+    if cell.stdout.strip() != "True":
+        cell = kernel.execute("%ranks start -n 2 --timeout 60")
+        assert cell.error is None, cell.error_text
+        assert "2 ranks ready" in cell.stdout
+    return kernel
+
+
+def _pids(kernel) -> list[int]:
+    cell = kernel.execute("print(get_ipython()._nbaccel_ranks_magics.session.pids)")
+    return eval(cell.stdout.strip())  # a list of ints printed by the kernel
+
+
+def _gone(pids: list[int], timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_state_lives_across_cells_and_output_is_labelled(ranks):
+    cell = ranks.execute("%%ranks\nx = accelerator.process_index * 10\nprint('made', x)")
+    assert cell.error is None, cell.error_text
+    assert "[rank0] made 0" in cell.stdout and "[rank1] made 10" in cell.stdout
+    cell = ranks.execute("%%ranks\nx + 1")
+    assert cell.error is None, cell.error_text
+    assert "[rank0] Out: 1" in cell.stdout and "[rank1] Out: 11" in cell.stdout
+    cell = ranks.execute("%%ranks --rank 1\nx")
+    assert cell.stdout.strip() == "[rank1] Out: 10"
+
+
+def test_all_reduce_and_pull_push_round_trip(ranks):
+    cell = ranks.execute(
+        "%%ranks\nt = torch.ones(3) * (accelerator.process_index + 1)\ndist.all_reduce(t)"
+    )
+    assert cell.error is None, cell.error_text
+    cell = ranks.execute("%ranks pull t\nprint([v.tolist() for v in t])")
+    assert cell.error is None, cell.error_text
+    assert cell.stdout.strip() == "[[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]"
+    cell = ranks.execute("scale = {'lr': 0.5}\n%ranks push scale")
+    assert cell.error is None, cell.error_text
+    cell = ranks.execute("%%ranks\nscale['lr'] * accelerator.process_index")
+    assert "[rank0] Out: 0.0" in cell.stdout and "[rank1] Out: 0.5" in cell.stdout
+
+
+def test_error_on_one_rank_shows_its_traceback_and_ranks_live_on(ranks):
+    ranks.execute("%%ranks\nkept = 'still here'")
+    cell = ranks.execute(
+        "%%ranks\nif accelerator.process_index == 1:\n    raise ValueError('only rank 1')"
+    )
+    assert "rank 1 (of 2) raised ValueError: only rank 1" in cell.error_text
+    assert "<rank cell" in cell.error_text and "raise ValueError('only rank 1')" in cell.error_text
+    assert "alive" in cell.error_text
+    cell = ranks.execute("%%ranks\nkept")
+    assert "[rank1] Out: 'still here'" in cell.stdout, cell.error_text
+
+
+def test_interrupt_raises_in_every_rank_and_ranks_live_on(ranks):
+    ranks.execute("%%ranks\nsurvivor = accelerator.process_index")
+    code = "%%ranks\nimport time\nprint('looping', flush=True)\nwhile True:\n    time.sleep(0.01)"
+
+    def on_message(msg):
+        if msg["msg_type"] == "stream" and "looping" in msg["content"]["text"]:
+            threading.Timer(0.5, ranks.interrupt).start()
+
+    started = time.monotonic()
+    cell = ranks.execute(code, timeout=60, on_message=on_message)
+    assert time.monotonic() - started < 30
+    assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
+    assert "ranks are alive" in cell.error_text
+    cell = ranks.execute("%%ranks\nsurvivor")
+    assert "[rank0] Out: 0" in cell.stdout and "[rank1] Out: 1" in cell.stdout, cell.error_text
+
+
+def test_half_done_collective_breaks_the_group_without_hanging(ranks):
+    pids = _pids(ranks)
+    started = time.monotonic()
+    cell = ranks.execute(
+        "%%ranks\nif accelerator.process_index == 0:\n    raise RuntimeError('skip the sum')\n"
+        "dist.all_reduce(torch.ones(1))",
+        timeout=60,
+    )
+    assert time.monotonic() - started < 30
+    text = cell.error_text
+    assert "ranks are broken" in text and "all_reduce" in text and "%ranks start" in text
+    assert "skip the sum" in text  # the cause: rank 0's traceback
+    assert _gone(pids)
+    cell = ranks.execute("%%ranks\n1")
+    assert "broken" in cell.error_text  # until started again
+    cell = ranks.execute("%ranks start -n 2")
+    assert cell.error is None, cell.error_text
+
+
+def test_a_rank_that_dies_breaks_the_group(ranks):
+    pids = _pids(ranks)
+    cell = ranks.execute(
+        "%%ranks\nimport os, time\nif accelerator.process_index == 1:\n    os._exit(3)\n"
+        "time.sleep(30)",
+        timeout=60,
+    )
+    assert "rank 1 exited with code 3" in cell.error_text, cell.error_text
+    assert _gone(pids)
+
+
+def test_timeout_shows_each_ranks_stack_and_interrupts(ranks):
+    cell = ranks.execute(
+        "%%ranks --timeout 1\nimport time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()",
+        timeout=60,
+    )
+    text = cell.error_text
+    assert "did not finish within timeout=1 s" in text, text
+    assert "waiting_here" in text and "--- rank 1 stack at timeout ---" in text
+    cell = ranks.execute("%%ranks\n'alive'")
+    assert "[rank1] Out: 'alive'" in cell.stdout, cell.error_text
+
+
+def test_auto_mode_runs_cells_on_the_ranks_and_local_in_the_kernel(ranks):
+    cell = ranks.execute("%ranks auto on")
+    assert cell.error is None, cell.error_text
+    try:
+        cell = ranks.execute("where = f'rank {accelerator.process_index}'\nwhere")
+        assert "[rank1] Out: 'rank 1'" in cell.stdout, cell.error_text
+        cell = ranks.execute("%%local\nprint('kernel' if 'accelerator' not in dir() else 'rank')")
+        assert cell.stdout.strip() == "kernel"
+    finally:
+        cell = ranks.execute("%ranks auto off")
+    assert cell.error is None, cell.error_text
+    assert ranks.execute("print('here')").stdout.strip() == "here"
+
+
+def test_names_on_the_ranks_complete_with_tab_and_status_lists_ranks(ranks):
+    ranks.execute("%%ranks\nrank_only_model = torch.nn.Linear(2, 2)")
+    ranks.client.complete("rank_only_m", 11)
+    reply = ranks.client.get_shell_msg(timeout=30)
+    assert "rank_only_model" in reply["content"]["matches"]
+    cell = ranks.execute("%ranks status")
+    text = cell.results[-1]["text/plain"]
+    assert "idle" in text and "cpu" in text and "MiB" in text
+    for pid in _pids(ranks):
+        assert str(pid) in text
+
+
+def test_stop_leaves_nothing_running(ranks):
+    pids = _pids(ranks)
+    cell = ranks.execute("%ranks stop")
+    assert cell.error is None, cell.error_text
+    assert "2 ranks stopped" in cell.stdout
+    assert _gone(pids, timeout=5)
+    assert ranks.leftovers() == []
+
+
+@pytest.mark.parametrize("how", ["shutdown", "SIGKILL"])
+def test_ranks_die_with_the_kernel(how):
+    with KernelSession(startup="import nbaccel") as k:
+        cell = k.execute("%ranks start -n 2")
+        assert cell.error is None, cell.error_text
+        pids = _pids(k)
+        assert all(psutil.pid_exists(p) for p in pids)
+        if how == "SIGKILL":  # no goodbye: containment, not politeness, must end them
+            os.kill(k.pid, signal.SIGKILL)
+            assert _gone(pids)
+    assert _gone(pids)

@@ -1,0 +1,105 @@
+"""``nbaccel.Ranks``, the Python API under ``%ranks``: real ranks, real gloo, no kernel.
+
+The kernel-level promises (magics, interrupt, auto mode) are in ``test_ranks_magics.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+import nbaccel
+from nbaccel.launch.session_cell import CellError, RanksBrokenError
+from nbaccel.rank.session_entry import run_code
+
+
+def _gone(pids: list[int], timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def ranks():
+    # One session per test: ranks alive after a test would fail the leftover-process check.
+    r = nbaccel.Ranks(num_processes=2, progress=False)
+    pids = r.pids
+    try:
+        yield r
+    finally:
+        r.stop()
+    assert _gone(pids, timeout=5)
+
+
+def test_run_code_returns_the_final_expression():
+    namespace: dict = {}
+    assert run_code("a = 2\na * 21", namespace, "<cell>") == 42
+    assert run_code("b = a", namespace, "<cell>") is None
+    assert namespace["b"] == 2
+
+
+@pytest.mark.slow
+def test_run_keeps_each_ranks_namespace(ranks):
+    assert ranks.run("x = accelerator.process_index + 1\nx") == [1, 2]
+    assert ranks.run("x * 10") == [10, 20]
+    assert ranks.run("x", values=False) == ["1", "2"]
+    assert ranks.run("x", ranks=[1]) == [2]
+    assert ranks.run("accelerator.num_processes, dist.get_backend()") == [(2, "gloo")] * 2
+
+
+@pytest.mark.slow
+def test_call_pull_push(ranks):
+    assert ranks.call(lambda a, b: a + b, 1, 2) == [3, 3]
+    ranks.push(weights=[1.0, 2.0])
+    assert ranks.run("t = torch.tensor(weights) * accelerator.process_index\nNone") == [None] * 2
+    pulled = ranks.pull("t")
+    assert [p.tolist() for p in pulled] == [[0.0, 0.0], [1.0, 2.0]]
+    assert ranks.names["t"] == "Tensor" and ranks.names["weights"] == "list"
+    with pytest.raises(CellError, match="name 'nope' is not defined"):
+        ranks.pull("nope")
+
+
+@pytest.mark.slow
+def test_an_error_names_the_rank_and_keeps_the_state(ranks):
+    ranks.run("kept = 5")
+    with pytest.raises(CellError) as info:
+        ranks.run("if accelerator.process_index == 1:\n    1 / 0")
+    assert info.value.rank == 1 and "ZeroDivisionError" in str(info.value)
+    assert isinstance(info.value.original, ZeroDivisionError)
+    assert "1 / 0" in info.value.remote_traceback
+    assert ranks.run("kept") == [5, 5]
+    with pytest.raises(RuntimeError, match="already running"):
+        ranks.start()
+
+
+@pytest.mark.slow
+def test_killed_rank_breaks_the_group_and_stop_leaves_nothing():
+    ranks = nbaccel.Ranks(num_processes=2, progress=False)
+    pids = ranks.pids
+    try:
+        ranks.run("import time")
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(RanksBrokenError, match="rank 1 was killed by signal SIGKILL"):
+            ranks.run("time.sleep(20)")
+        assert _gone(pids)
+        with pytest.raises(RanksBrokenError, match="%ranks start"):
+            ranks.run("1")
+        ranks.start()  # a broken session starts again with the same settings
+        assert ranks.run("accelerator.process_index") == [0, 1]
+        pids = ranks.pids
+    finally:
+        ranks.stop()
+    assert _gone(pids, timeout=5)
+    assert not ranks.started and ranks.status().rows[0]["state"] == "not running"
+
+
+def test_bad_timeout_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        nbaccel.Ranks(num_processes=2, timeout=-1)
