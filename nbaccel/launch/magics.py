@@ -74,8 +74,19 @@ class RanksMagics(Magics):
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> Any:
         __tracebackhide__ = True
-        if cell is not None:
-            return self._run_cell(line, cell)
+        from nbaccel.core.errors import LaunchError
+
+        try:
+            if cell is not None:
+                return self._run_cell(line, cell)
+            return self._line(line)
+        except (LaunchError, KeyboardInterrupt) as exc:
+            # The message says everything (rank, traceback, what to do); the kernel-side
+            # frames of the session machinery would only bury it.
+            raise exc.with_traceback(None) from None
+
+    def _line(self, line: str) -> Any:
+        __tracebackhide__ = True
         words = shlex.split(line)
         if not words:
             raise UsageError(USAGE)

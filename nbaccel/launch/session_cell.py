@@ -32,7 +32,10 @@ from nbaccel.launch.relay import Relay
 TICK = 0.05
 COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
 INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT
-START_AGAIN = "Run `%ranks start` (Python: `ranks.start()`) to start fresh ranks."
+START_AGAIN = (
+    "Start fresh ranks with `%ranks restart` (same settings) or `%ranks start` "
+    "(Python: `ranks.restart()`)."
+)
 
 
 class RanksBrokenError(LaunchError):
