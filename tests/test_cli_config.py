@@ -23,8 +23,8 @@ def test_interactive_reasks_bad_answers_and_uses_the_shared_file(tmp_path):
     shared = tmp_path / "shared.yaml"
     LaunchConfig(num_processes=2, strategy="fsdp").save(shared)
     # 2 machines, rank 7 (refused) then 1, ip, port, backend, procs, precision "half"
-    # (refused) then fp16, strategy kept, accumulation kept.
-    answers = "2\n7\n1\n10.0.0.1\n29501\nc10d\n\nhalf\nfp16\n\n\n"
+    # (refused) then fp16, strategy kept, accumulation kept, FSDP options kept.
+    answers = "2\n7\n1\n10.0.0.1\n29501\nc10d\n\nhalf\nfp16\n\n\n\n"
     result = run_cli("config", cwd=tmp_path, stdin=answers, NBACCEL_CONFIG_FILE=str(shared))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "at most 1" in result.stdout and "choose one of no, fp16, bf16, fp8" in result.stdout

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nbaccel.core import fsdp_settings
 from nbaccel.core.config import (
     MIXED_PRECISION_CHOICES,
     RDZV_BACKEND_CHOICES,
@@ -171,9 +172,55 @@ def _ask_and_write(path: Path) -> int:
     values["gradient_accumulation_steps"] = _ask(
         "Gradient accumulation steps?", current.gradient_accumulation_steps, _integer(1)
     )
+    change_fsdp = "no"
+    if values["strategy"] == "fsdp":
+        change_fsdp = _ask(
+            "Change the FSDP options (wrap policy, offload, checkpoint format)? (yes/no)",
+            "no",
+            _choice(("yes", "no")),
+        )
+    if change_fsdp == "yes":
+        values.update(_ask_fsdp(current))
     cfg = dataclasses.replace(current, **values)  # validates the whole config again
     print(f"wrote {cfg.save(path)}")
     return 0
+
+
+def _ask_fsdp(current: LaunchConfig) -> dict[str, Any]:
+    """The FSDP questions (as `accelerate config` asks them), answered into ``fsdp_*`` fields."""
+    yes_no = _choice(("yes", "no"))
+    values: dict[str, Any] = {}
+    values["fsdp_auto_wrap_policy"] = _ask(
+        f"FSDP auto wrap policy ({'/'.join(fsdp_settings.AUTO_WRAP_CHOICES)})?",
+        current.fsdp_auto_wrap_policy,
+        _choice(fsdp_settings.AUTO_WRAP_CHOICES),
+    )
+    if values["fsdp_auto_wrap_policy"] == "transformer_based_wrap":
+        names = current.fsdp_transformer_cls_names_to_wrap
+        values["fsdp_transformer_cls_names_to_wrap"] = _ask(
+            "Block classes to wrap, comma-separated (e.g. GPT2Block)?",
+            ",".join(names or []),
+            fsdp_settings.class_names,
+        )
+    elif values["fsdp_auto_wrap_policy"] == "size_based_wrap":
+        values["fsdp_min_num_params"] = _ask(
+            "Wrap modules with more than how many parameters?",
+            current.fsdp_min_num_params or 100_000_000,
+            _integer(0),
+        )
+    for key, question in (
+        ("fsdp_cpu_offload", "Offload parameters and optimizer state to the CPU?"),
+        ("fsdp_reshard_after_forward", "Free gathered parameters after forward?"),
+        ("fsdp_activation_checkpointing", "Recompute activations in backward (checkpointing)?"),
+    ):
+        answer = _ask(f"{question} (yes/no)", "yes" if getattr(current, key) else "no", yes_no)
+        values[key] = answer == "yes"
+    values["fsdp_state_dict_type"] = _ask(
+        f"Checkpoint format ({'/'.join(fsdp_settings.STATE_DICT_CHOICES)})?",
+        current.fsdp_state_dict_type,
+        fsdp_settings.state_dict_choice,
+    )
+    return values
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
@@ -195,6 +242,17 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gradient_accumulation_steps", type=int)
     p.add_argument("--rdzv_backend", choices=RDZV_BACKEND_CHOICES)
     p.add_argument("--max_restarts", type=int, help="restarts of the whole group on failure")
+    fsdp = p.add_argument_group("FSDP (with --strategy fsdp; names as in `accelerate launch`)")
+    fsdp.add_argument(
+        "--fsdp_auto_wrap_policy", type=str.lower, choices=fsdp_settings.AUTO_WRAP_CHOICES
+    )
+    fsdp.add_argument("--fsdp_transformer_cls_names_to_wrap", type=fsdp_settings.class_names)
+    fsdp.add_argument("--fsdp_min_num_params", type=int)
+    for flag in ("cpu_offload", "reshard_after_forward", "activation_checkpointing"):
+        fsdp.add_argument(f"--fsdp_{flag}", metavar="true|false")
+    fsdp.add_argument(
+        "--fsdp_state_dict_type", type=str.upper, choices=fsdp_settings.STATE_DICT_CHOICES
+    )
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from nbaccel.core import fsdp_settings
 from nbaccel.core.atomic import atomic_write
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
@@ -106,6 +107,14 @@ class LaunchConfig:
     rdzv_backend: str = "static"
     max_restarts: int = 0
     start_method: str = "auto"
+    # FSDP (strategy="fsdp"): FullyShardedDataParallelPlugin's fields, see core/fsdp_settings.py
+    fsdp_auto_wrap_policy: str = "no_wrap"
+    fsdp_transformer_cls_names_to_wrap: list[str] | None = None
+    fsdp_min_num_params: int = 0
+    fsdp_cpu_offload: bool = False
+    fsdp_reshard_after_forward: bool = True
+    fsdp_state_dict_type: str = "FULL_STATE_DICT"
+    fsdp_activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +139,11 @@ class LaunchConfig:
             check_int("main_process_port", self.main_process_port, 1)
             if self.main_process_port > 65535:
                 raise ConfigError(f"main_process_port={self.main_process_port} is not a port.")
+        try:
+            fsdp = fsdp_settings.check_fields({k: getattr(self, k) for k in fsdp_settings.ENV})
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.__dict__.update(fsdp)
         if not isinstance(self.main_process_ip, str) or not self.main_process_ip:
             raise ConfigError(
                 f"main_process_ip must be a host name or address, got {self.main_process_ip!r}."
@@ -149,6 +163,7 @@ class LaunchConfig:
             ENV_MIXED_PRECISION: self.mixed_precision,
             ENV_STRATEGY: self.strategy,
             ENV_GRADIENT_ACCUMULATION_STEPS: str(self.gradient_accumulation_steps),
+            **fsdp_settings.fsdp_env(self.to_dict()),
         }
 
     # -- YAML -------------------------------------------------------------------------------

@@ -71,12 +71,20 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
     ops.barrier()
     prepared = acc.prepared()
     strategy = prepared.strategy
+    sharded = getattr(strategy, "sharded_checkpoint", False)  # FSDP with SHARDED_STATE_DICT
+    from nbaccel.training.strategies import fsdp  # torch.distributed.checkpoint: import on use
     for i, model in enumerate(prepared.models):
+        if sharded:
+            fsdp.save_sharded_model(model, staging / f"model_{i}")
+            continue
         state = strategy.model_state_dict(model)  # every rank: FSDP gathers here
         if main:
             atomic_save(state, staging / f"model_{i}.pt")
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         # Each optimizer through its own model: under FSDP its state is gathered via that model.
+        if sharded:
+            fsdp.save_sharded_optimizer(model, opt.optimizer, staging / f"optimizer_{i}")
+            continue
         state = strategy.optimizer_state_dict(model, opt.optimizer)
         if main:
             atomic_save(state, staging / f"optimizer_{i}.pt")
@@ -117,15 +125,22 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         )
     prepared = acc.prepared()
     strategy = prepared.strategy
-    expected = len(list(path.glob("model_*.pt")))
+    expected = len({p.name.removesuffix(".pt") for p in path.glob("model_*")})
+    from nbaccel.training.strategies import fsdp  # sharded folders load on any strategy
     if expected != len(prepared.models):
         raise ValueError(
             f"the checkpoint at {path} holds {expected} model(s) but {len(prepared.models)} were "
             "prepared; prepare the same objects, in the same order, before load_state()."
         )
     for i, model in enumerate(prepared.models):
+        if (path / f"model_{i}").is_dir():  # sharded: loads on any number of ranks
+            fsdp.load_sharded_model(model, path / f"model_{i}")
+            continue
         strategy.load_model_state_dict(model, _load(path / f"model_{i}.pt"))
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
+        if (path / f"optimizer_{i}").is_dir():
+            fsdp.load_sharded_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
+            continue
         state = _load(path / f"optimizer_{i}.pt")
         strategy.load_optimizer_state_dict(model, opt.optimizer, state)
     for i, sched in enumerate(prepared.schedulers):

@@ -11,6 +11,8 @@ Adding a strategy means adding one module with a :class:`Strategy` subclass and 
 
 from __future__ import annotations
 
+from typing import Any
+
 from nbaccel.core.config import STRATEGY_CHOICES
 from nbaccel.training.state import ProcessState
 from nbaccel.training.strategies.base import PreparedOptimizer, PreparedScheduler, Strategy
@@ -18,7 +20,7 @@ from nbaccel.training.strategies.base import PreparedOptimizer, PreparedSchedule
 __all__ = ["PreparedOptimizer", "PreparedScheduler", "Strategy", "select_strategy"]
 
 
-def select_strategy(name: str, state: ProcessState) -> Strategy:
+def select_strategy(name: str, state: ProcessState, fsdp_plugin: Any = None) -> Strategy:
     """The strategy called ``name`` ("ddp" or "fsdp") for this process.
 
     Example::
@@ -32,7 +34,7 @@ def select_strategy(name: str, state: ProcessState) -> Strategy:
     if name == "fsdp":
         from nbaccel.training.strategies.fsdp import FSDPStrategy
 
-        return FSDPStrategy(state)
+        return FSDPStrategy(state, fsdp_plugin)  # None: settings from NBACCEL_FSDP_*
     raise ValueError(
         f"strategy={name!r} is not known; choose one of {', '.join(map(repr, STRATEGY_CHOICES))}."
     )
