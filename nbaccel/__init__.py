@@ -31,6 +31,7 @@ _LAZY = {
     "LaunchTimeoutError": "nbaccel.core.errors",
     "RankFailedError": "nbaccel.core.errors",
     "Accelerator": "nbaccel.training.accelerator",
+    "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",
     "set_seed": "nbaccel.training.random",
     "progress": "nbaccel.rank.reporting",
     "log": "nbaccel.rank.reporting",
