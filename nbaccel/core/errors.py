@@ -24,6 +24,9 @@ class RankFailedError(LaunchError):
         remote_traceback: the rank's formatted traceback (or crash report) as text.
         exitcode: the process exit code (negative: killed by that signal).
         other_failures: short descriptions of ranks that failed after the first one.
+        cause: what another rank did first when this failure is only its consequence, e.g.
+            "rank 1 exited (code 0) while rank 0 was still in a collective"; it leads the
+            message.
     """
 
     def __init__(
@@ -36,7 +39,9 @@ class RankFailedError(LaunchError):
         original: BaseException | None = None,
         exitcode: int | None = None,
         other_failures: tuple[str, ...] = (),
+        cause: str | None = None,
     ) -> None:
+        self.cause = cause
         self.rank = rank
         self.world_size = world_size
         self.summary = summary
@@ -49,6 +54,8 @@ class RankFailedError(LaunchError):
 
     def _message(self) -> str:
         text = f"rank {self.rank} (of {self.world_size}) {self.summary}"
+        if self.cause:
+            text = f"{self.cause}; rank {self.rank} (of {self.world_size}) then {self.summary}"
         if self.remote_traceback:
             body = self.remote_traceback.rstrip("\n")
             text += (
@@ -69,12 +76,13 @@ class RankFailedError(LaunchError):
                 self.exc_type,
                 self.exitcode,
                 self.other_failures,
+                self.cause,
             ),
         )
 
 
-def _rebuild_rank_failed(rank, world_size, summary, tb, exc_type, exitcode, others):
-    return RankFailedError(rank, world_size, summary, tb, exc_type, None, exitcode, others)
+def _rebuild_rank_failed(rank, world_size, summary, tb, exc_type, exitcode, others, cause=None):
+    return RankFailedError(rank, world_size, summary, tb, exc_type, None, exitcode, others, cause)
 
 
 class LaunchTimeoutError(LaunchError, TimeoutError):

@@ -37,6 +37,13 @@ class RankSpec:
     kwargs: dict[str, bytes]
     send_result: bool
     sources: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    # The kernel's view of the world at the launch (a rank is its twin): ``sys.path`` exactly
+    # as the kernel has it ('' included), its working directory, and the global RNG states a
+    # fork of the kernel would inherit ({"torch": bytes, "torch_seed": int, "numpy": tuple}).
+    # ``None``/empty: leave what the process already has.
+    sys_path: list[str] | None = None
+    cwd: str | None = None
+    rng_state: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -68,6 +75,16 @@ class Metrics:
 class Result:
     rank: int
     payload: bytes | None  # cloudpickled return value; None when the kernel did not ask for it
+    exit_code: int | None = None  # set when the function ended by ``sys.exit(0)``, not return
+
+
+@dataclasses.dataclass
+class Leftovers:
+    """Processes the rank started that were still running when its function ended; the rank
+    stops them right after sending this (``processes``: (pid, command line) pairs)."""
+
+    rank: int
+    processes: list[tuple[int, str]]
 
 
 @dataclasses.dataclass
@@ -79,7 +96,7 @@ class Failure:
     exception: bytes | None  # the pickled exception, when it pickles
 
 
-Event = Started | Progress | Metrics | Result | Failure
+Event = Started | Progress | Metrics | Result | Failure | Leftovers
 
 
 class _Channel:

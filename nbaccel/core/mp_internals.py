@@ -22,14 +22,46 @@ def resource_tracker_pid() -> int | None:
     return getattr(resource_tracker._resource_tracker, "_pid", None)
 
 
-def start_forkserver(preload: list[str], restart: bool) -> None:
-    """Make sure a fork server runs that preloads ``preload``; ``restart`` stops a running one."""
+def start_forkserver(preload: list[str], restart: bool, env: dict[str, str] | None = None) -> bool:
+    """Make sure a fork server runs that preloads ``preload``; ``restart`` stops a running one.
+
+    ``env`` is added to the environment of a server started now; returns whether one was.
+    """
     server = multiprocessing.forkserver._forkserver
     if restart and server._forkserver_pid is not None:
         server._stop()  # a server started without these modules cannot gain them
     if server._forkserver_pid is None:
         server.set_forkserver_preload(list(preload))
-    server.ensure_running()
+    starting = not server_alive(server._forkserver_pid)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    if starting:
+        os.environ.update(env or {})  # the server inherits the environment as it is now
+    try:
+        server.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return starting
+
+
+def server_alive(pid: int | None) -> bool:
+    """Whether the server ``pid`` runs (without reaping it: ``ensure_running`` does that)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def forget_forkserver() -> None:

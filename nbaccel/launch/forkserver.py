@@ -6,15 +6,22 @@ Ranks fork from it in milliseconds and never inherit the kernel's threads or CUD
 from __future__ import annotations
 
 import multiprocessing
+import os
+import tempfile
 import threading
+import time
 
 from nbaccel.core import mp_internals
 
-# Imported once by the fork server; every rank then starts with them loaded.
-SERVER_PRELOAD = ("nbaccel.rank.preload",)
+# Imported once by the fork server; every rank then starts with them loaded. The guard comes
+# first (the server's own group, subreaper, kill its tree at exit), the ready signal last.
+SERVER_PRELOAD = ("nbaccel.rank.server_guard", "nbaccel.rank.preload")
+SERVER_READY = "nbaccel.rank.server_ready"
+ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
 
 _server_lock = threading.Lock()
 _server_modules: tuple[str, ...] = ()
+_ready_marker: str | None = None  # exists while the server started last is still importing
 
 
 def available_start_methods() -> list[str]:
@@ -39,13 +46,49 @@ def ensure_server(extra_modules: tuple[str, ...] = ()) -> None:
 
     The server imports its modules in the background; the first rank start waits for that.
     """
-    global _server_modules
-    wanted = tuple(dict.fromkeys(SERVER_PRELOAD + tuple(extra_modules)))
+    global _server_modules, _ready_marker
+    wanted = tuple(dict.fromkeys(SERVER_PRELOAD + tuple(extra_modules) + (SERVER_READY,)))
     with _server_lock:
         restart = not set(wanted) <= set(_server_modules)
         if restart or mp_internals.forkserver_pid() is None:
             _server_modules = wanted
-        mp_internals.start_forkserver(list(wanted), restart=restart)
+        fd, marker = tempfile.mkstemp(prefix="nbaccel-server-warming-")
+        os.close(fd)
+        started = mp_internals.start_forkserver(
+            list(wanted), restart=restart, env={ENV_READY_FILE: marker}
+        )
+        if started:
+            _discard(_ready_marker)
+            _ready_marker = marker
+        else:
+            _discard(marker)
+
+
+def wait_until_ready(poll: float = 0.02) -> None:
+    """Wait until the fork server started by :func:`ensure_server` has finished importing.
+
+    Returns at once for a server that is ready (or that nbaccel did not start). The wait is
+    interruptible: a ``KeyboardInterrupt`` here leaves no rank half-started, because none was
+    asked for yet.
+    """
+    global _ready_marker
+    marker = _ready_marker
+    while marker is not None and os.path.exists(marker):
+        pid = mp_internals.forkserver_pid()
+        if pid is None or not mp_internals.server_alive(pid):
+            break  # it died importing; starting a rank will start (and wait for) a new one
+        time.sleep(poll)
+    _discard(marker)
+    if _ready_marker == marker:
+        _ready_marker = None
+
+
+def _discard(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def helper_pids() -> set[int]:

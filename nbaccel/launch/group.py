@@ -2,7 +2,9 @@
 
 One :class:`RankGroup` owns its ranks from start to reaping: nothing else sends them signals.
 Each rank gets four pipes of its own (stdout, stderr, crash/stack reports, events), created just
-before it starts so that no rank inherits another's write ends.
+before it starts so that no rank inherits another's write ends. Stopping reaches a rank's whole
+process group, and reaping also kills whatever the ranks left running wherever it re-parented
+(:mod:`nbaccel.launch.containment`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import psutil
 
 from nbaccel.core.events import RankSpec
+from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
 
 
@@ -73,12 +76,23 @@ class RankGroup:
         self.ranks: list[RankProcess] = []
         self._stop_signal_sent: set[int] = set()
         self._kill_at: float | None = None  # set by begin_stop
+        # (pid, command) of processes the ranks left running that reaping killed
+        self.strays: list[tuple[int, str]] = []
 
     def start(self) -> None:
+        """Start every rank; on any failure or Ctrl-C, stop those started and re-raise.
+
+        With the fork server still importing (the first launch after ``import nbaccel``), this
+        first waits for it, interruptibly. Each rank start then runs with Ctrl-C held back, so
+        an interrupt never leaves a rank whose pid the kernel does not know.
+        """
         ctx = multiprocessing.get_context(self.start_method)
         try:
+            if self.start_method == "forkserver":
+                forkserver.wait_until_ready()
             for spec in self.specs:
-                self.ranks.append(self._start_one(ctx, spec))
+                with containment.sigint_deferred():
+                    self.ranks.append(self._start_one(ctx, spec))
         except BaseException:
             self.stop(grace=0)
             raise
@@ -92,6 +106,7 @@ class RankGroup:
         )
         try:
             process.start()
+            containment.LIVE_RANKS.add(process.pid)
         finally:
             for w in writers:  # the rank holds them now; closing ours lets EOF arrive
                 w.close()
@@ -148,6 +163,7 @@ class RankGroup:
                 children = psutil.Process(r.pid).children(recursive=True)
             except psutil.Error:
                 children = []
+            containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
             for child in children:
                 try:
@@ -174,6 +190,11 @@ class RankGroup:
             multiprocessing.connection.wait([r.sentinel for r in alive], remaining)
 
     def reap(self) -> None:
+        """Reap every rank (they must have exited), then kill what they left running."""
+        pids = {r.pid for r in self.ranks if not r._reaped}
         for r in self.ranks:
             if not r._reaped:
                 r.reap()
+        if pids:
+            self.strays += containment.sweep(pids)
+            containment.LIVE_RANKS.difference_update(pids)

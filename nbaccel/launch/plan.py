@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,6 +85,7 @@ def resolve_plan(
     )
     base_env = _worker_env(info, cfg, env)
     sources = pickling.notebook_sources()
+    rng_state = kernel_rng_state()
     specs = [
         RankSpec(
             rank=info.first_rank + local,
@@ -97,10 +99,32 @@ def resolve_plan(
             kwargs=kwarg_bytes,
             sources=sources,
             send_result=return_all or info.first_rank + local == 0,
+            sys_path=list(sys.path),
+            cwd=os.getcwd(),
+            rng_state=rng_state,
         )
         for local in range(nprocs)
     ]
     return LaunchPlan(info, specs, timeout)
+
+
+def kernel_rng_state() -> dict[str, Any]:
+    """The kernel's torch and numpy global RNG states, for ranks to start from (as a fork would).
+
+    Only for libraries the kernel has imported; a rank seeds the others as a fresh process does.
+
+    >>> sorted(kernel_rng_state()) in ([], ["numpy"], ["numpy", "torch", "torch_seed"])
+    True
+    """
+    state: dict[str, Any] = {}
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "get_rng_state"):
+        state["torch"] = torch.get_rng_state().numpy().tobytes()
+        state["torch_seed"] = torch.initial_seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and hasattr(numpy, "random"):
+        state["numpy"] = numpy.random.get_state()
+    return state
 
 
 def check_start_method(method: str) -> str:

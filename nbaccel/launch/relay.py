@@ -16,6 +16,7 @@ import selectors
 import signal
 import threading
 import time
+import warnings
 from typing import Any
 
 from nbaccel.core import events
@@ -24,6 +25,8 @@ from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import BarState, LaunchState, Outcome
 from nbaccel.core.launch_state import RankStatus as Status
+from nbaccel.launch import root_cause
+from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning, sigint_deferred
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.ui import View
@@ -43,6 +46,8 @@ class Relay:
         self.timeout = timeout
         self.payloads: dict[int, bytes | None] = {}
         self._failures: list[tuple[int, RankFailedError]] = []
+        self._ended: dict[int, str] = {}  # ranks whose function ended well: "returned", ...
+        self._leftovers: list[tuple[int, str, int | None]] = []  # (pid, command, rank)
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
         self._selector = selectors.DefaultSelector()
 
@@ -60,8 +65,12 @@ class Relay:
                 self._drain_all()
             raise
         finally:
-            self.group.reap()
-            self._finish()
+            with sigint_deferred():  # teardown is not cut short; a Ctrl-C is raised after it
+                if self.group.alive():
+                    self.group.stop(grace=0)
+                self.group.reap()
+                self._finish()
+                self._warn_leftovers()
         if self._failures:
             raise self._first_failure()
         return self.payloads
@@ -169,6 +178,10 @@ class Relay:
             rank.history.append((step, dict(event.values)))
         elif isinstance(event, events.Result):
             self.payloads[event.rank] = event.payload
+            how = "returned" if event.exit_code is None else f"exited (code {event.exit_code})"
+            self._ended[event.rank] = how
+        elif isinstance(event, events.Leftovers):
+            self._leftovers += [(pid, cmd, event.rank) for pid, cmd in event.processes]
         elif isinstance(event, events.Failure):
             summary = describe_raise(event.exc_type, event.message)
             error = RankFailedError(
@@ -183,10 +196,8 @@ class Relay:
 
     def _record_failure(self, rank: int, error: RankFailedError, line: str) -> None:
         state = self.state.ranks[rank]
-        state.status, state.error_line = (
-            Status.FAILED,
-            line.strip().splitlines()[0] if line.strip() else line,
-        )
+        # One short line for the summary table's cell; the error keeps the full text.
+        state.status, state.error_line = Status.FAILED, root_cause.cut(line)
         self._failures.append((rank, error))
 
     def _on_exit(self, r: RankProcess) -> None:
@@ -209,10 +220,26 @@ class Relay:
             self._record_failure(r.rank, error, what)
 
     def _first_failure(self) -> RankFailedError:
-        (first_rank, first), *rest = self._failures
-        first.other_failures = tuple(f"rank {k} {e.summary}" for k, e in rest if k != first_rank)
+        """The failure to raise: the root cause first (a real failure before the connection
+        errors it caused in other ranks; a rank that had already left, where only those
+        remain), the others named after it."""
+        (first_rank, first), *rest = root_cause.order(self._failures)
+        first.other_failures = tuple(
+            f"rank {k} {root_cause.cut(e.summary)}" for k, e in rest if k != first_rank
+        )
+        first.cause = root_cause.cause(first_rank, first, self._ended)
         first.args = (first._message(),)
         return first
+
+    def _warn_leftovers(self) -> None:
+        """One warning line naming what the ranks left running (it has been stopped)."""
+        seen = {pid for pid, _, _ in self._leftovers}
+        found = self._leftovers + [(p, c, None) for p, c in self.group.strays if p not in seen]
+        self.group.strays.clear()
+        self._leftovers = []
+        if found:
+            # stacklevel: _warn_leftovers < run < run_plan < notebook_launcher < the user's cell
+            warnings.warn(leftover_warning(found), LeftoverProcessesWarning, stacklevel=5)
 
     # -- timeout ----------------------------------------------------------------------------
 

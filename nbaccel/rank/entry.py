@@ -18,7 +18,7 @@ import cloudpickle
 
 from nbaccel.core import events, pickling
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
-from nbaccel.rank import exit, process_setup, reporting, torch_fixes, tqdm_hook
+from nbaccel.rank import containment, exit, process_setup, reporting, torch_fixes, tqdm_hook, twin
 
 
 def _to_cpu(value: Any) -> Any:
@@ -63,6 +63,33 @@ def _report_failure(exc: BaseException, rank: int) -> None:
     )
 
 
+def _pickle_return_value(value: Any, rank: int) -> bytes:
+    """Pickle the return value, or raise a ``TypeError`` that says it is the return value."""
+    try:
+        return pickling.dumps(_to_cpu(value))
+    except Exception as exc:
+        kind = type(value)
+        raise TypeError(
+            f"rank {rank} returned a {kind.__module__}.{kind.__qualname__} that cannot be sent "
+            f"to the kernel ({type(exc).__name__}: {exc}). Return tensors, numbers, strings, or "
+            "lists/dicts of them (e.g. model.state_dict()) instead; only rank 0's value is sent "
+            "unless return_all=True, so other ranks may return anything."
+        ) from None
+
+
+def _stop_leftovers(rank: int) -> None:
+    """Name the processes the user's code left running to the kernel, then stop them.
+
+    Before ``atexit``: multiprocessing's exit hook would otherwise wait for non-daemon children.
+    """
+    left = containment.descendants()
+    if left:
+        events.emit(
+            events.Leftovers(rank=rank, processes=[(p.pid, containment.describe(p)) for p in left])
+        )
+        containment.stop_descendants(found=left)
+
+
 def _install_progress_hooks() -> None:
     """Let tqdm bars in the user's code report as this rank's progress (opt out: NBACCEL_TQDM=0)."""
     try:
@@ -76,7 +103,9 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     # The kernel handles Ctrl-C/interrupt for everyone and stops ranks itself; N tracebacks
     # from N ranks would only bury the one that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    containment.reset_inherited_handlers()
     process_setup.die_with_parent()
+    containment.become_subreaper_session()  # every process the rank causes stays below it
     process_setup.redirect_output(out_w.fileno(), err_w.fileno())
     diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
     faulthandler.enable(file=diag, all_threads=True)
@@ -84,6 +113,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
 
     os.environ.clear()
     os.environ.update(spec.env)
+    twin.apply(spec)
     process_setup.share_cpu_threads(spec.local_world_size)
     pickling.install_sources(spec.sources)
     events.install_channel(events_w, spec.rank)
@@ -97,15 +127,22 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
         args = [cloudpickle.loads(a) for a in spec.args]
         kwargs = {k: cloudpickle.loads(v) for k, v in spec.kwargs.items()}
         value = function(*args, **kwargs)
-        payload = pickling.dumps(_to_cpu(value)) if spec.send_result else None
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
         raised = exc
+    else:
+        if spec.send_result:
+            try:
+                payload = _pickle_return_value(value, spec.rank)
+            except TypeError as exc:
+                raised = exc
     code, failure = exit.outcome(raised)
     reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:
         _report_failure(failure, spec.rank)
     else:
         # The process group is left to die with the process (see torch_fixes).
-        events.emit(events.Result(rank=spec.rank, payload=payload))
+        exited = 0 if isinstance(raised, SystemExit) else None
+        events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))
+    _stop_leftovers(spec.rank)
     diag.flush()
     exit.leave(code)

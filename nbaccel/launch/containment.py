@@ -1,0 +1,165 @@
+"""Find, by pid, what a launch left running after its ranks ended, wherever it re-parented to.
+
+Each rank leads a session of its own and (Linux) is a child subreaper, so while it lives every
+process it caused is below it; it stops them itself when its function has ended (see
+:mod:`nbaccel.rank.containment`). When a rank dies abruptly (SIGKILL, a segfault, a stop), what
+it had started re-parents to the fork server (also a subreaper) or, without one, to pid 1. This
+module finds those processes system-wide, not only below the kernel:
+
+- members of a rank's session (``getsid(pid) == rank pid``): subprocesses, multiprocessing
+  children of any start method, DataLoader workers, unless they started a session of their own;
+- children of the fork server that are not ranks: orphans of dead ranks, including those that
+  did start a session of their own.
+
+Example::
+
+    left = sweep({rank.pid for rank in group.ranks})   # [(pid, "sleep 1000"), ...], now killed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import psutil
+
+from nbaccel.core import mp_internals
+
+# Pids of every rank started by this process and not yet reaped, over all rank groups; the
+# fork server's other children are orphans.
+LIVE_RANKS: set[int] = set()
+
+
+def session_members(sids: set[int]) -> list[psutil.Process]:
+    """Processes anywhere on the machine in one of the sessions ``sids`` (leaders excluded)."""
+    found = []
+    me = os.getpid()
+    for pid in psutil.pids():
+        if pid in sids or pid == me:
+            continue
+        try:
+            if os.getsid(pid) in sids:
+                found.append(psutil.Process(pid))
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
+def server_strays() -> list[psutil.Process]:
+    """Children of this process's fork server that are no rank: a dead rank's orphans."""
+    pid = mp_internals.forkserver_pid()
+    if pid is None:
+        return []
+    try:
+        server = psutil.Process(pid)
+        server_sid = os.getsid(pid)
+        children = server.children()
+    except (OSError, psutil.Error):
+        return []
+    strays = []
+    for child in children:
+        if child.pid in LIVE_RANKS:
+            continue
+        try:
+            # A rank the server forked a moment ago is not registered yet; it is still in the
+            # server's session until it starts its own.
+            if os.getsid(child.pid) != server_sid and child.status() != psutil.STATUS_ZOMBIE:
+                strays.append(child)
+        except (OSError, psutil.Error):
+            pass
+    return strays
+
+
+def sweep(rank_pids: set[int]) -> list[tuple[int, str]]:
+    """Kill (SIGKILL) what the ranks ``rank_pids`` left running; return (pid, command) of each.
+
+    Call it once those ranks have exited. Looks again until nothing new turns up, since a killed
+    process's children re-parent and can be found only afterwards.
+    """
+    killed: dict[int, str] = {}
+    for _ in range(10):
+        found = [p for p in session_members(rank_pids) + server_strays() if p.pid not in killed]
+        found = [p for p in found if _alive(p)]
+        if not found:
+            break
+        for p in found:
+            killed[p.pid] = describe(p)
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(found, timeout=1.0)
+    return sorted(killed.items())
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def describe(process: psutil.Process) -> str:
+    """A process's command line for a person (``sleep 1000``), or its name."""
+    try:
+        cmd = " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return "?"
+    return cmd if len(cmd) <= 80 else cmd[:77] + "..."
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``pid`` (a rank and the descendants that stayed
+    in its group); nothing if there is no such group (the rank has not started its own yet)."""
+    with contextlib.suppress(OSError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+
+
+def leftover_warning(processes: list[tuple[int, str, int | None]]) -> str:
+    """One line naming processes that were still running when a launch ended.
+
+    >>> leftover_warning([(41, "sleep 1000", 0), (42, "sleep 1000", 1)])
+    'nbaccel stopped 2 processes the ranks left running: pid 41 (sleep 1000, rank 0), pid 42 (sleep 1000, rank 1)'
+    """
+    n = len(processes)
+    items = ", ".join(
+        f"pid {pid} ({cmd}" + (f", rank {rank})" if rank is not None else ")")
+        for pid, cmd, rank in processes
+    )
+    return f"nbaccel stopped {n} process{'es' if n != 1 else ''} the ranks left running: {items}"
+
+
+@contextlib.contextmanager
+def sigint_deferred(reraise: bool = True) -> Iterator[list[bool]]:
+    """Hold Ctrl-C back while the block runs; with ``reraise``, raise it once the block is done.
+
+    Starting a rank must not be cut in half (a rank the fork server forked but whose pid the
+    kernel never learned would run unsupervised). Outside the main thread there is no SIGINT.
+    """
+    received: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = signal.signal(signal.SIGINT, lambda *a: received.append(True))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received and reraise:
+        raise KeyboardInterrupt
+
+
+def wait_gone(pids: set[int], timeout: float) -> None:
+    """Wait until none of ``pids`` is a running process any more, or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and _alive(psutil.Process(p)) for p in pids):
+            return
+        time.sleep(0.02)
+
+
+class LeftoverProcessesWarning(UserWarning):
+    """Processes a launch's ranks left running were stopped when the launch ended."""

@@ -1,0 +1,67 @@
+"""Name the rank that caused a failure first, not the rank that noticed it.
+
+When one rank leaves a collective early (it returned, called ``sys.exit(0)``, crashed), the
+others fail in the backend with "Connection closed by peer", a reset or a timeout, and that
+failure often reaches the kernel first. :func:`order` puts a real failure before such connection
+errors, and :func:`cause` says which rank had already ended when only connection errors remain.
+
+>>> is_connection_error("torch.distributed.DistBackendError", "[pair.cc:534] Connection closed by peer")
+True
+>>> is_connection_error("builtins.ValueError", "bad lr")
+False
+>>> cut("x" * 200, 20)
+'xxxxxxxxxxxxxxxxxxx…'
+"""
+
+from __future__ import annotations
+
+import re
+
+_CONNECTION = re.compile(
+    r"connection (closed|reset|refused)|broken pipe|econnreset|epipe|nccl|timed out|timeout"
+    r"|socket closed",
+    re.IGNORECASE,
+)
+_BACKEND_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+
+ERROR_LINE_WIDTH = 100  # characters of a failure kept for a summary-table cell
+
+
+def is_connection_error(exc_type: str | None, message: str) -> bool:
+    """Whether a rank's failure is the backend noticing that another rank went away."""
+    if exc_type and exc_type.rsplit(".", 1)[-1] in _BACKEND_TYPES:
+        return True
+    return bool(exc_type) and bool(_CONNECTION.search(message or ""))
+
+
+def cut(text: str, width: int = ERROR_LINE_WIDTH) -> str:
+    """The first line of ``text``, cut to ``width`` characters (ending in "…" when cut)."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def order(failures: list[tuple[int, object]]) -> list[tuple[int, object]]:
+    """Failures in the order to report them: real failures first, connection errors after."""
+    return sorted(failures, key=lambda f: _is_connection(f[1]))  # stable: arrival order kept
+
+
+def _is_connection(error: object) -> bool:
+    exc_type = getattr(error, "exc_type", None)
+    original = getattr(error, "original", None)
+    message = str(original) if original is not None else getattr(error, "summary", "")
+    return is_connection_error(exc_type, message)
+
+
+def cause(failed_rank: int, error: object, ended: dict[int, str]) -> str | None:
+    """ "rank 1 exited (code 0) while rank 0 was still in a collective", or ``None``.
+
+    ``ended`` maps ranks that ended without failing to how they ended ("returned",
+    "exited (code 0)").
+    """
+    if not _is_connection(error):
+        return None
+    others = sorted(k for k in ended if k != failed_rank)
+    if not others:
+        return None
+    first = others[0]
+    return f"rank {first} {ended[first]} while rank {failed_rank} was still in a collective"
