@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.kernel_helpers import KernelSession
+from tests.test_dashboard import rank_rows, widget_states
 
 pytestmark = pytest.mark.slow
 
@@ -194,4 +195,32 @@ def test_ranks_die_with_the_kernel(how):
         if how == "SIGKILL":  # no goodbye: containment, not politeness, must end them
             os.kill(k.pid, signal.SIGKILL)
             assert _gone(pids)
+    assert _gone(pids)
+
+
+def test_dashboard_shows_each_ranks_row_for_a_ranks_cell():
+    with KernelSession(env={"NBACCEL_VIEW": "widgets"}, startup="import nbaccel") as k:
+        cell = k.execute("%ranks start -n 2")
+        assert cell.error is None, cell.error_text
+        cell = k.execute(
+            "%%ranks\nfor i in nbaccel.progress(range(50), desc='steps'):\n    pass\n"
+            "print('looped')\naccelerator.process_index"
+        )
+        assert cell.error is None, cell.error_text
+        assert "[rank0] Out: 0" in cell.stdout and "[rank1] Out: 1" in cell.stdout
+        live = [
+            s["value"]
+            for s in widget_states(cell).values()
+            if "nbaccel-live" in str(s.get("value", ""))
+        ]
+        rows = rank_rows(live[-1])
+        assert sorted(rows) == [0, 1]
+        assert all(
+            r["status"] == "finished" and r["n"] == r["total"] == "50" for r in rows.values()
+        )
+        final = cell.of_type("update_display_data")[-1]["content"]["data"]
+        assert "50/50" in final["text/plain"]  # the static summary a saved notebook keeps
+        assert "looped" in str(cell.messages)  # in the ranks' output panes
+        pids = _pids(k)
+        assert k.execute("%ranks stop").error is None
     assert _gone(pids)
