@@ -112,7 +112,11 @@ def test_panel_in_a_real_kernel_via_comm_messages(kernel, tmp_path):
         return next(
             cid
             for cid, s in comms.items()
-            if s.get("_model_name") == model and s.get("description") == description
+            if s.get("_model_name") == model
+            and (
+                s.get("description") == description
+                or f"nbaccel-{description}" in s.get("_dom_classes", ())
+            )
         )
 
     def send(comm_id, data):
@@ -130,3 +134,41 @@ def test_panel_in_a_real_kernel_via_comm_messages(kernel, tmp_path):
     assert cell.stdout.split() == ["bf16", "1"]
     assert "mixed_precision: bf16" in path.read_text()
     assert "num_processes: 1" in path.read_text()
+
+    # Two-way: a change made in code shows in the form once the cell has run.
+    cell = kernel.execute("cfg.num_processes = 2\ncfg.mixed_precision = 'fp16'")
+    assert cell.error is None, cell.error_text
+    updates = {}
+    for m in cell.of_type("comm_msg"):
+        data = m["content"]["data"]
+        if data.get("method") == "update":
+            updates.setdefault(m["content"]["comm_id"], {}).update(data["state"])
+    assert updates[comm("BoundedIntTextModel", "processes")]["value"] == 2
+    assert updates[comm("ToggleButtonModel", "fp16")]["value"] is True
+    assert updates[comm("ToggleButtonModel", "bf16")]["value"] is False
+
+
+def test_labels_are_whole_and_in_one_column():
+    panel = ConfigPanel(LaunchConfig(), A100, "/nonexistent/cfg.yaml", torchao=False)
+    rows = [c for c in panel.widget.children if c.__class__.__name__ == "HBox"][:4]
+    labels = [row.children[0] for row in rows]
+    assert [label.value for label in labels] == [
+        "processes",
+        "mixed precision",
+        "strategy",
+        "gradient accumulation steps",
+    ]
+    assert {label.layout.width for label in labels} == {"15em"}
+    controls = [panel.num_processes, panel.strategy, panel.gradient_accumulation_steps]
+    assert all(not c.description for c in controls)  # no second, truncating label
+
+
+def test_sync_shows_programmatic_changes():
+    cfg = LaunchConfig()
+    panel = ConfigPanel(cfg, A100, "/nonexistent/cfg.yaml", torchao=False)
+    cfg.num_processes, cfg.strategy, cfg.mixed_precision = 1, "fsdp", "bf16"
+    cfg.gradient_accumulation_steps = 8
+    panel.sync()
+    assert panel.num_processes.value == 1 and panel.strategy.value == "fsdp"
+    assert panel.gradient_accumulation_steps.value == 8
+    assert [k for k, b in panel.precision.items() if b.value] == ["bf16"]

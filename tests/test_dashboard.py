@@ -141,3 +141,146 @@ except Exception as exc:
     assert "class='nbaccel-error' data-rank='1'" in live and "ValueError: bad batch" in live
     assert "rgba(207,34,46" in live  # the red row
     assert not kernel.leftovers()
+
+
+def live_tables(cell: Cell) -> list[str]:
+    """Every value the live table widget had, in order (what the frontend showed over time)."""
+    values = []
+    for m in cell.messages:
+        content = m["content"]
+        state = None
+        if m["msg_type"] == "comm_open":
+            state = content["data"].get("state", {})
+        elif m["msg_type"] == "comm_msg" and content["data"].get("method") == "update":
+            state = content["data"]["state"]
+        if state and "nbaccel-live" in str(state.get("value", "")):
+            values.append((m["received_at"], state["value"]))
+    return values
+
+
+def test_failed_rank_traceback_reads_like_a_local_one(kernel):
+    cell = kernel.execute(
+        """
+import nbaccel
+
+def broken_step(batch):
+    scale = 2
+    return batch["missing"] * scale
+
+def train():
+    import os
+    if os.environ["RANK"] == "1":
+        broken_step({"x": 1})
+    return 0
+
+nbaccel.notebook_launcher(train, num_processes=2)
+"""
+    )
+    assert cell.error is not None and cell.error["ename"] == "RankFailedError"
+    text = cell.error_text
+    n = cell.reply["execution_count"]
+    # IPython drops the cell's leading blank line, so line numbers count from "import nbaccel".
+    assert f"Cell In[{n}], line 13" in text  # the launching line, as IPython shows it
+    assert (
+        f"Cell In[{n}], line 10, in train()" in text
+        and f"Cell In[{n}], line 5, in broken_step()" in text
+    )
+    assert '----> 5     return batch["missing"] * scale' in text
+    assert "KeyError: 'missing'" in text
+    for plumbing in (
+        "relay.py",
+        "launcher.py",
+        "entry.py",
+        "ipykernel_",
+        "except KeyboardInterrupt",
+    ):
+        assert plumbing not in text, plumbing
+    assert "\x1b[" in "\n".join(cell.error["traceback"])  # coloured in Jupyter
+    assert not kernel.leftovers()
+
+
+def test_live_view_run_line_rates_partial_lines_and_effective_precision(kernel):
+    cell = kernel.execute(
+        """
+import time
+import nbaccel
+
+def train():
+    import os
+    acc = nbaccel.Accelerator(mixed_precision="bf16")
+    rank = acc.process_index
+    for epoch in nbaccel.progress(range(4), desc="epoch"):
+        for i in nbaccel.progress(range(20), desc="batch", unit_scale=4):
+            time.sleep(0.03 if rank == 1 else 0.01)  # rank 1 is the straggler
+        print(f"\\rcheckpoint {epoch}", end="", flush=True)
+        time.sleep(1.3)  # a pause with an unfinished line on screen
+    print()
+    print("[rank%d]:W1201 a torch-style warning" % rank)
+    return 0
+
+nbaccel.notebook_launcher(train, num_processes=2)
+"""
+    )
+    assert cell.error is None, cell.error_text
+    tables = live_tables(cell)
+    t0 = tables[0][0]
+    late = [v for t, v in tables if t - t0 > 1.5]
+    assert late, "the launch should have lasted more than 1.5 s"
+    assert all("class='nbaccel-run'" in v for v in late)
+    run_lines = re.findall(r"class='nbaccel-run'[^>]*>([^<]*)<", "".join(late))
+    assert any(
+        "/80 · epoch" in line and "samples/s" in line and "ETA" in line for line in run_lines
+    )
+    for v in late:  # after the first second, every running rank shows a rate
+        for attrs in rank_rows(v).values():
+            if attrs["status"] == "running":
+                assert attrs["rate"] != "-", attrs
+    assert any(rank_rows(v)[1]["straggler"] == "1" for v in late)
+    assert all("data-precision='bf16'" in v for v in late)
+
+    panes = [
+        s.get("value", "")
+        for m in cell.of_type("comm_msg", "comm_open")
+        for s in [m["content"]["data"].get("state", {})]
+        if "nbaccel-pane" in str(s.get("value", ""))
+    ]
+    assert any("nbaccel-partial" in p and "checkpoint 0" in p for p in panes)
+    final = [p for p in panes if "a torch-style warning" in p]
+    assert final and all("[rank0]:" not in p and "[rank1]:" not in p for p in final)
+    summary = cell.of_type("update_display_data")[-1]["content"]["data"]["text/plain"]
+    assert "mixed_precision=bf16 (set in code)" in summary and "run: step 80/80" in summary
+    assert not kernel.leftovers()
+
+
+def test_stall_notice_shows_where_each_rank_waits(kernel):
+    cell = kernel.execute(
+        """
+import os, time
+import nbaccel
+os.environ["NBACCEL_STALL_AFTER"] = "2"
+
+def train():
+    import torch.distributed as dist
+    acc = nbaccel.Accelerator()
+    if acc.process_index == 0:
+        time.sleep(7)  # rank 1 waits in the barrier meanwhile
+    dist.barrier()
+    return 0
+
+try:
+    nbaccel.notebook_launcher(train, num_processes=2)
+finally:
+    del os.environ["NBACCEL_STALL_AFTER"]
+"""
+    )
+    assert cell.error is None, cell.error_text
+    stalls = [
+        re.search(r"<pre class='nbaccel-stall'[^>]*>(.*?)</pre>", v, re.S)
+        for _, v in live_tables(cell)
+    ]
+    texts = [m.group(1) for m in stalls if m]
+    assert texts and "no rank has advanced" in texts[-1]
+    assert any("rank 1: waiting in barrier" in t for t in texts), texts[-1]
+    summary = cell.of_type("update_display_data")[-1]["content"]["data"]["text/plain"]
+    assert "stalled for up to" in summary
+    assert not kernel.leftovers()

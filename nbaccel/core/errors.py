@@ -12,6 +12,12 @@ class UsageError(Exception):
 class LaunchError(RuntimeError):
     """Base class for a launch that did not finish normally."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: rank frames as ``Cell In[n]`` with source, no nbaccel frames."""
+        from nbaccel.core.local_traceback import render_launch_error
+
+        return render_launch_error(self)
+
 
 class RankFailedError(LaunchError):
     """A rank raised, exited with an error code, or was killed by a signal.

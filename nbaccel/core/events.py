@@ -96,7 +96,19 @@ class Failure:
     exception: bytes | None  # the pickled exception, when it pickles
 
 
-Event = Started | Progress | Metrics | Result | Failure | Leftovers
+@dataclasses.dataclass
+class RankSettings:
+    """What a rank's Accelerator actually runs, which may differ from the launch's settings
+    (``Accelerator(mixed_precision="bf16")`` in the function overrides the launch's "no")."""
+
+    rank: int
+    mixed_precision: str
+    strategy: str
+    device: str
+    gradient_accumulation_steps: int
+
+
+Event = Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings
 
 
 class _Channel:

@@ -6,9 +6,15 @@ the dashboard and the final summary all render the same facts.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import os
+import statistics
 import time
+
+RATE_WINDOW = 10.0  # seconds of step samples a rank's rate is measured over
+STRAGGLER_SLOWER = 0.2  # a rank this much below the median step rate is marked as a straggler
 
 
 class _Text(str, enum.Enum):
@@ -75,6 +81,7 @@ class BarState:
     elapsed: float = 0.0
     closed: bool = False
     unit_scale: float | None = None
+    outer: bool = False  # another bar was opened inside this one (an epoch loop around batches)
 
     @property
     def rate(self) -> float | None:
@@ -101,6 +108,15 @@ class RankState:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     history: list[tuple[int, dict[str, float]]] = dataclasses.field(default_factory=list)
     diag: str = ""
+    steps: int = 0  # steps done over all (inner) bars: continues across epochs
+    samples: float = 0.0  # steps times the bars' unit_scale (samples per step), where known
+    last_advance: float | None = None  # monotonic time of the last step (or metrics/output)
+    rss: int | None = None  # resident memory in bytes, sampled by the kernel
+    gpu_memory: int | None = None  # bytes on the GPU, where CUDA
+    effective: dict[str, str] = dataclasses.field(default_factory=dict)  # what the rank runs
+    _window: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=400), repr=False
+    )
 
     @property
     def done(self) -> bool:
@@ -112,11 +128,115 @@ class RankState:
 
     @property
     def bar(self) -> BarState | None:
-        """The bar to show for this rank: the newest open one, else the last one."""
+        """The bar to show for this rank: the newest open inner one (batches rather than the
+        epoch loop around them), else the newest open one, else the last one."""
         if not self.bars:
             return None
         open_bars = [b for b in self.bars.values() if not b.closed]
-        return (open_bars or list(self.bars.values()))[-1]
+        inner = [b for b in self.bars.values() if not b.outer]
+        open_inner = [b for b in open_bars if not b.outer]
+        return (open_inner or inner or open_bars or list(self.bars.values()))[-1]
+
+    # -- written by the relay, one call per event -------------------------------------------
+
+    def on_progress(
+        self,
+        bar_id: int,
+        n: int,
+        total: int | None,
+        desc: str | None,
+        elapsed: float,
+        closed: bool = False,
+        unit_scale: float | None = None,
+        now: float | None = None,
+    ) -> None:
+        """A bar moved. Steps of inner bars add up across bars, so the rate and the ETA carry on
+        over epoch boundaries instead of starting again from nothing."""
+        now = time.monotonic() if now is None else now
+        bar = self.bars.get(bar_id)
+        if bar is None:
+            for other in self.bars.values():
+                if not other.closed:
+                    other.outer = True  # a new bar opened inside it
+            if not self.bars:  # a new run of this rank (or a new cell in a persistent session)
+                self.steps, self.samples = 0, 0.0
+                self._window.clear()
+            bar = self.bars[bar_id] = BarState()
+            if not self._window:
+                self._window.append((now, self.steps))
+        delta = max(0, n - bar.n) if not bar.outer else 0
+        bar.n, bar.total, bar.desc = n, total, desc
+        bar.elapsed, bar.closed, bar.unit_scale = elapsed, closed, unit_scale
+        if delta:
+            self.steps += delta
+            self.samples += delta * (unit_scale or 0)
+            self.last_advance = now
+            self._window.append((now, self.steps))
+
+    def on_metrics(self, step: int | None, values: dict[str, float]) -> None:
+        self.metrics.update(values)
+        self.history.append((step if step is not None else len(self.history), dict(values)))
+        self.note_activity()
+
+    def note_activity(self, now: float | None = None) -> None:
+        """The rank did something (output, metrics): not stalled, even where it has no bars."""
+        self.last_advance = time.monotonic() if now is None else now
+
+    # -- read by the views ------------------------------------------------------------------
+
+    def step_rate(self, now: float | None = None) -> float | None:
+        """Steps a second over the last ``RATE_WINDOW`` seconds, across bars (so it carries on
+        over epoch boundaries); ``None`` before the first step. A quiet spell lowers it
+        gradually; after a spell longer than the window it is the whole run's average."""
+        if self.steps == 0 or not self._window:
+            return None
+        now = (self.ended_at or time.monotonic()) if now is None else now
+        window = [(t, s) for t, s in self._window if now - t <= RATE_WINDOW]
+        if len(window) >= 2 and window[-1][1] > window[0][1]:
+            (t0, s0), (_, s1) = window[0], window[-1]
+            return (s1 - s0) / max(now - t0, 1e-3)
+        t_first, s_first = self._window[0]
+        return (self.steps - s_first) / max(now - t_first, 1e-3)
+
+    def sample_rate(self, now: float | None = None) -> float | None:
+        """Samples a second, where bars say how many samples a step is."""
+        rate = self.step_rate(now)
+        if rate is None or not self.samples or not self.steps:
+            return None
+        return rate * self.samples / self.steps
+
+    def run_progress(self) -> tuple[int, int | None, str]:
+        """(steps done, steps in the whole run or ``None``, what the unit is) for this rank.
+
+        With an outer bar (epochs) around inner bars (batches), the run is outer.total inner
+        bars; with one bar, it is that bar; with one bar per epoch and no outer bar, only the
+        current epoch's total is known.
+        """
+        outer = [b for b in self.bars.values() if b.outer]
+        inner = [b for b in self.bars.values() if not b.outer]
+        if not inner:
+            return self.steps, None, "steps"
+        current = ([b for b in inner if not b.closed] or inner)[-1]
+        if outer and outer[-1].total and current.total:
+            epochs = outer[-1]
+            total = epochs.total * current.total
+            return min(self.steps, total), total, "steps"
+        if len(inner) == 1:
+            return current.n, current.total, "steps"
+        return self.steps, None, "steps"
+
+    def eta(self, now: float | None = None) -> float | None:
+        """Seconds to the end of the run (or of the current bar, when that is all that is known)."""
+        if self.done:
+            return None
+        rate = self.step_rate(now)
+        done, total, _ = self.run_progress()
+        if rate and total is not None:
+            return max(0.0, (total - done) / rate)
+        bar = self.bar
+        if rate and bar is not None and bar.total is not None and not bar.closed:
+            return max(0.0, (bar.total - bar.n) / rate)
+        return None
 
 
 @dataclasses.dataclass
@@ -126,7 +246,81 @@ class LaunchState:
     started_at: float = dataclasses.field(default_factory=time.monotonic)
     ended_at: float | None = None
     outcome: Outcome | None = None
+    # Seconds without any rank advancing before the views say the launch looks stalled.
+    stall_after: float = dataclasses.field(
+        default_factory=lambda: float(os.environ.get("NBACCEL_STALL_AFTER", "30"))
+    )
+    stacks_requested_at: float | None = None  # when the kernel last asked stalled ranks for stacks
+    longest_stall: float = 0.0  # the longest stall seen so far, in seconds (for the summary)
 
     @property
     def elapsed(self) -> float:
         return (self.ended_at or time.monotonic()) - self.started_at
+
+    def _ordered(self) -> list[RankState]:
+        return sorted(self.ranks.values(), key=lambda r: r.rank)
+
+    def stragglers(self, now: float | None = None) -> set[int]:
+        """Ranks whose step rate is ``STRAGGLER_SLOWER`` or more below the median (a rank that
+        has ended is judged by its rate when it ended)."""
+        rates = {r.rank: r.step_rate(None if r.done else now) for r in self._ordered()}
+        known = {k: v for k, v in rates.items() if v is not None}
+        if len(known) < 2:
+            return set()
+        median = statistics.median(known.values())
+        return {k for k, v in known.items() if v <= (1 - STRAGGLER_SLOWER) * median}
+
+    def stalled_for(self, now: float | None = None) -> float | None:
+        """Seconds since any running rank last advanced, when that is ``stall_after`` or more."""
+        if self.ended_at is not None or self.outcome is not None:
+            return None
+        running = [r for r in self.ranks.values() if not r.done]
+        if not running:
+            return None
+        now = time.monotonic() if now is None else now
+        last = max(max(r.last_advance or 0.0, r.started_at) for r in running)
+        quiet = now - last
+        if quiet < self.stall_after:
+            return None
+        self.longest_stall = max(self.longest_stall, quiet)
+        return quiet
+
+    def wants_stacks(self, now: float | None = None) -> bool:
+        """Whether the relay should ask the ranks for their stacks now: once per stall."""
+        quiet = self.stalled_for(now)
+        if quiet is None:
+            return False
+        now = time.monotonic() if now is None else now
+        if self.stacks_requested_at is not None and self.stacks_requested_at >= now - quiet:
+            return False  # already asked during this stall
+        self.stacks_requested_at = now
+        return True
+
+    def run_line(self, now: float | None = None) -> dict[str, object]:
+        """The run as a whole: steps done/total (the slowest rank), summed rates, overall ETA."""
+        ranks = self._ordered()
+        progress = [r.run_progress() for r in ranks if r.bars]
+        done = min((p[0] for p in progress), default=0)
+        totals = [p[1] for p in progress if p[1] is not None]
+        total = max(totals) if totals and len(totals) == len(progress) else None
+        rates = [r.step_rate(now) for r in ranks if not r.done]
+        sample_rates = [x for x in (r.sample_rate(now) for r in ranks if not r.done) if x]
+        etas = [e for e in (r.eta(now) for r in ranks) if e is not None]
+        # The slowest rank's epoch loop (its outermost open bar around batch bars).
+        epochs = sorted(
+            (
+                [b for b in r.bars.values() if b.outer][-1]
+                for r in ranks
+                if r.bars and any(b.outer for b in r.bars.values())
+            ),
+            key=lambda b: -b.n,
+        )
+        return {
+            "steps": done,
+            "total": total,
+            "epoch": (epochs[-1].n, epochs[-1].total) if epochs else None,
+            "steps_per_s": sum(x for x in rates if x) or None,
+            "samples_per_s": sum(sample_rates) or None,
+            "eta": max(etas) if etas else None,
+            "eta_is_run": total is not None,
+        }

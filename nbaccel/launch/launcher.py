@@ -59,6 +59,7 @@ def notebook_launcher(
 
         nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)   # -> 0
     """
+    __tracebackhide__ = True  # IPython leaves nbaccel's frames out of the notebook's traceback
     plan = resolve_plan(
         function,
         args,
@@ -83,6 +84,7 @@ def notebook_launcher(
 
 def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
     """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
+    __tracebackhide__ = True
     if plan.info.start_method == "forkserver":
         ensure_server(tuple(preload))
     state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})

@@ -23,7 +23,7 @@ from nbaccel.core import events
 from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
-from nbaccel.core.launch_state import BarState, LaunchState, Outcome
+from nbaccel.core.launch_state import LaunchState, Outcome
 from nbaccel.core.launch_state import RankStatus as Status
 from nbaccel.launch import root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning, sigint_deferred
@@ -97,6 +97,8 @@ class Relay:
             self.group.poll_stop()
             if deadline is not None and time.monotonic() > deadline and not self._failures:
                 self._time_out()
+            if self.state.wants_stacks():  # stalled: each rank writes its stack to its diag pipe
+                self.group.send_signal(self.group.alive(), STACK_DUMP_SIGNAL)
             self.view.update()
         self.state.outcome = Outcome.FAILED if self._failures else Outcome.FINISHED
 
@@ -122,6 +124,8 @@ class Relay:
             self.state.ranks[r.rank].diag += data.decode("utf-8", errors="replace")
         else:
             self._emit_lines(r.rank, kind, self._splitter(r.rank, kind).feed(data))
+            if hasattr(self.view, "partial"):  # the unfinished line, e.g. a "\r" progress line
+                self.view.partial(r.rank, kind, self._splitter(r.rank, kind).pending)
         return True
 
     def _read_event(self, r: RankProcess) -> bool:
@@ -169,13 +173,12 @@ class Relay:
         if isinstance(event, events.Started):
             rank.pid, rank.status = event.pid, Status.RUNNING
         elif isinstance(event, events.Progress):
-            bar = rank.bars.setdefault(event.bar_id, BarState())
-            bar.n, bar.total, bar.desc = event.n, event.total, event.desc
-            bar.elapsed, bar.closed, bar.unit_scale = event.elapsed, event.closed, event.unit_scale
+            e = event
+            rank.on_progress(e.bar_id, e.n, e.total, e.desc, e.elapsed, e.closed, e.unit_scale)
         elif isinstance(event, events.Metrics):
-            rank.metrics.update(event.values)
-            step = event.step if event.step is not None else len(rank.history)
-            rank.history.append((step, dict(event.values)))
+            rank.on_metrics(event.step, event.values)
+        elif isinstance(event, events.RankSettings):
+            rank.effective = {k: str(v) for k, v in vars(event).items() if k != "rank"}
         elif isinstance(event, events.Result):
             self.payloads[event.rank] = event.payload
             how = "returned" if event.exit_code is None else f"exited (code {event.exit_code})"

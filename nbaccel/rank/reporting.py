@@ -302,3 +302,12 @@ def flush() -> None:
     rank = events.current_rank()
     if rank is not None:
         _ship(rank, block=True)
+
+
+def report_settings(mixed_precision: str, strategy: str, device: str, accumulation: int) -> None:
+    """Tell the kernel what this rank's Accelerator runs, so the dashboard shows the effective
+    settings (a no-op outside a launch)."""
+    rank = events.current_rank()
+    if rank is not None:
+        settings = events.RankSettings(rank, mixed_precision, strategy, device, accumulation)
+        events.emit(settings)

@@ -20,6 +20,9 @@ class View(Protocol):
     def output(self, rank: int, stream: str, lines: list[str]) -> None:
         """Complete lines a rank wrote to ``stream`` ("stdout" or "stderr")."""
 
+    def partial(self, rank: int, stream: str, text: str) -> None:
+        """The rank's unfinished last line now ("" when there is none); optional for a view."""
+
     def update(self) -> None:
         """The state changed (progress, metrics, status); redraw if it is time to."""
 
@@ -44,31 +47,48 @@ def choose_view(progress: bool | str = True) -> View:
     return TextView()
 
 
-def widget_frontend() -> bool:
-    """Whether a frontend that renders widgets is attached to this kernel.
+def frontend() -> str:
+    """Which frontend runs this kernel, as far as the kernel can tell: "colab", "kaggle",
+    "vscode", "jupyter" (JupyterLab/Notebook via Jupyter Server), "terminal" (IPython without a
+    widget frontend, nbclient/nbval) or "script" (no IPython).
 
-    A kernel cannot ask its frontend, so this goes by who started it: Jupyter Server (JupyterLab,
-    Notebook 7) names the session in ``JPY_SESSION_NAME``; VS Code and Colab leave their own
-    marks. Kernels run by nbclient/nbval or a terminal get text. ``NBACCEL_VIEW=text|widgets``
-    overrides the guess.
+    Kaggle notebooks run under Jupyter as well; Colab and VS Code leave their own marks.
     """
     import os
     import sys
 
-    forced = os.environ.get("NBACCEL_VIEW")
-    if forced:
-        return forced == "widgets"
     if "ipykernel" not in sys.modules:
-        return False
+        return "script"
     try:
         from IPython import get_ipython
     except ImportError:
-        return False
+        return "script"
     shell = get_ipython()
-    if shell is None or type(shell).__name__ != "ZMQInteractiveShell":
-        return False
-    return bool(
-        os.environ.get("JPY_SESSION_NAME")
-        or os.environ.get("VSCODE_PID")
-        or "google.colab" in sys.modules
-    )
+    if shell is None:
+        return "script"
+    if type(shell).__name__ != "ZMQInteractiveShell":
+        return "terminal"
+    if "google.colab" in sys.modules or os.environ.get("COLAB_RELEASE_TAG"):
+        return "colab"
+    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE"):
+        return "kaggle"
+    if os.environ.get("VSCODE_PID") or os.environ.get("VSCODE_CWD"):
+        return "vscode"
+    if os.environ.get("JPY_SESSION_NAME"):
+        return "jupyter"
+    return "terminal"
+
+
+def widget_frontend() -> bool:
+    """Whether a frontend that renders widgets is attached to this kernel.
+
+    A kernel cannot ask its frontend, so this goes by who started it (see :func:`frontend`):
+    JupyterLab/Notebook 7, Colab, Kaggle and VS Code render widgets; kernels run by nbclient/nbval
+    or a terminal get text. ``NBACCEL_VIEW=text|widgets`` overrides the guess.
+    """
+    import os
+
+    forced = os.environ.get("NBACCEL_VIEW")
+    if forced:
+        return forced == "widgets"
+    return frontend() in ("colab", "kaggle", "vscode", "jupyter")

@@ -10,6 +10,8 @@ import html
 import math
 from collections.abc import Sequence
 
+from nbaccel.ui.formats import format_si
+
 # Distinguishable line colours, one per rank (cycled beyond eight ranks).
 RANK_COLOURS = (
     "#0969da",
@@ -37,7 +39,8 @@ def _thin(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tu
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.3g}"
+    """Axis labels: integers as integers, SI suffixes (``1.84k``, ``531µ``)."""
+    return format_si(value)
 
 
 def line_chart(
@@ -56,7 +59,7 @@ def line_chart(
         for rank, pts in series.items()
     }
     clean = {rank: pts for rank, pts in clean.items() if pts}
-    left, right, top, bottom = 44, 8, 18, 20
+    left, right, top, bottom = 48, 8, 18, 20
     plot_w, plot_h = width - left - right, height - top - bottom
     parts = [
         f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
@@ -89,9 +92,12 @@ def line_chart(
         f"<text x='{left - 4}' y='{top + 4}' text-anchor='end' fill='currentColor'>{_fmt(y1)}</text>",
         f"<text x='{left - 4}' y='{top + plot_h}' text-anchor='end' fill='currentColor'>{_fmt(y0)}</text>",
         f"<text x='{left}' y='{height - 6}' fill='currentColor'>{_fmt(x0)}</text>",
+        f"<text x='{left + plot_w / 2:.0f}' y='{height - 6}' text-anchor='middle' "
+        "fill='#57606a'>step</text>",
         f"<text x='{left + plot_w}' y='{height - 6}' text-anchor='end' fill='currentColor'>"
-        f"step {_fmt(x1)}</text>",
+        f"{_fmt(x1)}</text>",
     ]
+    legend_x = left + plot_w - 46 * (len(clean) - 1)  # left to right in rank order
     for i, (rank, pts) in enumerate(sorted(clean.items())):
         colour = rank_colour(rank)
         if len(pts) == 1:
@@ -103,8 +109,11 @@ def line_chart(
                 f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' points='{path}' "
                 f"data-rank='{rank}'/>"
             )
-        lx = left + plot_w - 10 - 44 * i
-        parts.append(f"<text x='{lx}' y='12' text-anchor='end' fill='{colour}'>rank {rank}</text>")
+        lx = legend_x + 46 * i
+        parts.append(
+            f"<text x='{lx}' y='12' text-anchor='end' fill='{colour}' class='nbaccel-legend'>"
+            f"rank {rank}</text>"
+        )
     parts.append("</svg>")
     return "".join(parts)
 

@@ -16,6 +16,8 @@ from typing import Any
 from nbaccel.core import capabilities, hardware
 from nbaccel.core.config import MIXED_PRECISION_CHOICES, STRATEGY_CHOICES, ConfigError, LaunchConfig
 
+LABEL_WIDTH = "15em"  # wide enough for "gradient accumulation steps"
+
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -118,13 +120,8 @@ class ConfigPanel:
             f"<div class='nbaccel-hardware'><b>Detected hardware</b><ul style='margin:2px 0'>"
             f"{hw_html}</ul></div>"
         )
-        wide = {"description_width": "14em"}
         self.num_processes = w.BoundedIntText(
-            value=config.num_processes,
-            min=1,
-            max=max_processes(hw),
-            description="processes",
-            style=wide,
+            value=config.num_processes, min=1, max=max_processes(hw), layout={"width": "8em"}
         )
         self.precision: dict[str, Any] = {}
         for c in self.choices:
@@ -145,15 +142,10 @@ class ConfigPanel:
         self.strategy = w.ToggleButtons(
             options=[(s.upper(), s) for s in STRATEGY_CHOICES],
             value=config.strategy,
-            description="strategy",
-            style=wide,
+            style={"button_width": "6em"},
         )
         self.gradient_accumulation_steps = w.BoundedIntText(
-            value=config.gradient_accumulation_steps,
-            min=1,
-            max=4096,
-            description="gradient accumulation steps",
-            style=wide,
+            value=config.gradient_accumulation_steps, min=1, max=4096, layout={"width": "8em"}
         )
         self.save_button = w.Button(description="save as default", icon="save")
         self.status = w.HTML(
@@ -166,19 +158,43 @@ class ConfigPanel:
             self._on_change("gradient_accumulation_steps"), names="value"
         )
         self.save_button.on_click(self._on_save)
-        label = w.Label("mixed precision", layout={"width": "14em"})
+
+        def row(name: str, *controls: Any) -> Any:
+            """Every field the same way: its full name in one fixed-width column, left-aligned."""
+            label = w.Label(name, layout={"width": LABEL_WIDTH, "min_width": LABEL_WIDTH})
+            box = w.HBox([label, *controls], layout={"align_items": "center"})
+            slug = name.replace(" ", "-")
+            box.add_class(f"nbaccel-field-{slug}")
+            for control in controls:
+                control.add_class(f"nbaccel-{slug}")
+            return box
+
         self.widget = w.VBox(
             [
                 self.hardware,
-                self.num_processes,
-                w.HBox([label, *self.precision.values()]),
+                row("processes", self.num_processes),
+                row("mixed precision", *self.precision.values()),
                 self.precision_reasons,
-                self.strategy,
-                self.gradient_accumulation_steps,
+                row("strategy", self.strategy),
+                row("gradient accumulation steps", self.gradient_accumulation_steps),
                 w.HBox([self.save_button, self.status]),
             ]
         )
         self.widget.add_class("nbaccel-config")
+
+    def sync(self, *_: Any) -> None:
+        """Show the config's current values: ``cfg.num_processes = 2`` in a cell shows in the
+        form once that cell has run (``configure()`` calls this after every cell)."""
+        cfg = self.config
+        if cfg.num_processes is not None and self.num_processes.value != cfg.num_processes:
+            self.num_processes.value = min(cfg.num_processes, self.num_processes.max)
+        if self.strategy.value != cfg.strategy and cfg.strategy in STRATEGY_CHOICES:
+            self.strategy.value = cfg.strategy
+        if self.gradient_accumulation_steps.value != cfg.gradient_accumulation_steps:
+            self.gradient_accumulation_steps.value = cfg.gradient_accumulation_steps
+        chosen = self.precision.get(cfg.mixed_precision)
+        if chosen is not None and not chosen.value and not chosen.disabled:
+            chosen.value = True  # its handler clears the others
 
     def _on_change(self, field: str) -> Any:
         def handler(change: dict[str, Any]) -> None:
@@ -242,8 +258,36 @@ def configure(path: os.PathLike | str | None = None) -> LaunchConfig:
         from IPython.display import display
 
         display(panel.widget)
+        follow_cells(panel)
         return cfg
     choices = precision_choices(hw)
     notes = prepare_config(cfg, hw, choices)
     print("\n".join([panel_text(cfg, hw, choices, target), *(f"  note: {n}" for n in notes)]))
     return cfg
+
+
+def follow_cells(panel: ConfigPanel) -> None:
+    """Re-sync ``panel`` with its config after every cell, for as long as the panel exists.
+
+    Assignments to a LaunchConfig cannot be observed, but a kernel runs cells one at a time, so
+    syncing after each cell shows every change a cell made.
+    """
+    import weakref
+
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    ref = weakref.ref(panel)
+
+    def after_cell(*_: Any) -> None:
+        alive = ref()
+        if alive is None:
+            shell.events.unregister("post_run_cell", after_cell)
+            return
+        alive.sync()
+
+    shell.events.register("post_run_cell", after_cell)

@@ -1,7 +1,9 @@
-"""The final per-rank table of a launch, as plain text and as static HTML.
+"""The facts every view shows, as text: the run line, each rank's row, the final summary.
 
-Both views end with it, so a saved notebook, nbconvert or GitHub's renderer still shows what
-happened after the live widgets are gone.
+The text view, the live dashboard and the final static summary (plain text and HTML) all format
+the launch state through these functions, so they always say the same thing. The summary stays
+after the live widgets are gone, so a saved notebook, nbconvert or GitHub still shows what
+happened.
 """
 
 from __future__ import annotations
@@ -9,79 +11,10 @@ from __future__ import annotations
 import html
 
 from nbaccel.core.launch_state import LaunchState, RankState
-
-
-def format_seconds(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def format_metrics(metrics: dict[str, float], limit: int = 4) -> str:
-    items = list(metrics.items())[:limit]
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
-
-
-def format_progress(rank: RankState) -> str:
-    bar = rank.bar
-    if bar is None:
-        return "-"
-    total = f"/{bar.total}" if bar.total is not None else ""
-    desc = f"{bar.desc}: " if bar.desc else ""
-    return f"{desc}{bar.n}{total}{format_rate(rank)}"
-
-
-def format_rate(rank: RankState) -> str:
-    """`` 12.3 it/s`` (and samples/s where the bar knows its batch size), or ""."""
-    bar = rank.bar
-    if bar is None or not bar.rate:
-        return ""
-    samples = f", {bar.rate * bar.unit_scale:.1f} samples/s" if bar.unit_scale else ""
-    return f" {bar.rate:.1f} it/s{samples}"
-
-
-def _table(state: LaunchState) -> tuple[list[str], list[list[str]]]:
-    """Header and rows; the progress and metrics columns only where some rank has them."""
-    ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
-    with_progress = any(r.bars for r in ranks)
-    with_metrics = any(r.metrics for r in ranks)
-    header = ["rank", "status"] + ["progress"] * with_progress + ["elapsed"]
-    header += ["metrics"] * with_metrics
-    rows = []
-    for rank in ranks:
-        status = rank.status + (f" ({rank.error_line})" if rank.error_line else "")
-        row = [str(rank.rank), status]
-        row += [format_progress(rank)] * with_progress + [format_seconds(rank.elapsed)]
-        row += [format_metrics(rank.metrics) or "-"] * with_metrics
-        rows.append(row)
-    return header, rows
-
-
-def headline(state: LaunchState) -> str:
-    outcome = state.outcome or "running"
-    return f"nbaccel: {state.info.describe()} — {outcome} after {format_seconds(state.elapsed)}"
-
-
-def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None) -> str:
-    """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too."""
-    header, body = _table(state)
-    rows = [header, *body]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [headline(state)]
-    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    for rank, tail in sorted((outputs or {}).items()):
-        if tail:
-            lines.append(f"-- rank {rank} output (last {min(len(tail), TEXT_TAIL)} lines) --")
-            lines += [f"[rank{rank}] {line}" for line in tail[-TEXT_TAIL:]]
-    return "\n".join(lines)
-
+from nbaccel.ui.formats import format_bytes, format_seconds, format_si
 
 TEXT_TAIL = 20  # output lines per rank in the plain-text summary
-
+STRAGGLER_MARK = "straggler"
 
 STATUS_COLOURS = {
     "finished": "#1a7f37",
@@ -92,37 +25,249 @@ STATUS_COLOURS = {
 }
 
 
+def format_metrics(metrics: dict[str, float], limit: int = 4) -> str:
+    items = list(metrics.items())[:limit]
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in items)
+
+
+def format_count(rank: RankState) -> str:
+    """The rank's current bar: ``epoch 3: 12/23`` (``-`` before any bar)."""
+    bar = rank.bar
+    if bar is None:
+        return "-"
+    total = f"/{bar.total}" if bar.total is not None else ""
+    desc = f"{bar.desc}: " if bar.desc else ""
+    return f"{desc}{bar.n}{total}"
+
+
+def format_rate(rank: RankState) -> str:
+    """``12.3 it/s`` (and samples/s where the bars know their batch size), or ``-``."""
+    rate = rank.step_rate()
+    if rate is None:
+        return "-"
+    samples = rank.sample_rate()
+    return f"{rate:.3g} it/s" + (f", {format_si(samples)} samples/s" if samples else "")
+
+
+def format_memory(rank: RankState) -> str:
+    """``RSS 410 MiB`` and ``GPU 3.1 GiB`` where known."""
+    parts = []
+    if rank.rss is not None:
+        parts.append(f"RSS {format_bytes(rank.rss)}")
+    if rank.gpu_memory is not None:
+        parts.append(f"GPU {format_bytes(rank.gpu_memory)}")
+    return ", ".join(parts) or "-"
+
+
+def format_progress(rank: RankState) -> str:
+    """Bar and rate in one: ``train: 120/500 41.2 it/s``."""
+    rate = format_rate(rank)
+    return format_count(rank) + ("" if rate == "-" else f" {rate}")
+
+
+def run_line(state: LaunchState) -> str:
+    """The whole run in one line: steps done/total, epoch, summed rates, overall ETA.
+
+    ``run: step 300/1,000 · epoch 3/10 · 82.5 it/s · 660 samples/s (all ranks) · ETA 8.5 s``
+    """
+    facts = state.run_line()
+    total = facts["total"]
+    parts = [f"step {facts['steps']:,}" + (f"/{total:,}" if total is not None else "")]
+    if facts["epoch"] is not None:
+        n, epochs = facts["epoch"]
+        parts.append(f"epoch {n}" + (f"/{epochs}" if epochs else ""))
+    rates = []
+    if facts["steps_per_s"]:
+        rates.append(f"{facts['steps_per_s']:.3g} it/s")
+    if facts["samples_per_s"]:
+        rates.append(f"{format_si(facts['samples_per_s'])} samples/s")
+    if rates:
+        parts.append(", ".join(rates) + " (all ranks)")
+    if facts["eta"] is not None and state.outcome is None:
+        label = "ETA" if facts["eta_is_run"] else "ETA (this epoch; run length unknown)"
+        parts.append(f"{label} {format_seconds(facts['eta'])}")
+    return "run: " + " · ".join(parts)
+
+
+def stall_text(state: LaunchState) -> str:
+    """``no rank has advanced for 42 s`` plus where each rank waits, or "" while all is well."""
+    quiet = state.stalled_for()
+    if quiet is None:
+        return ""
+    lines = [f"stalled? no rank has advanced for {format_seconds(quiet)}"]
+    for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
+        if rank.done:
+            continue
+        where = waiting_in(rank.diag)
+        lines.append(f"  rank {rank.rank}: {where or 'no stack yet'}")
+    return "\n".join(lines)
+
+
+def stall_summary(state: LaunchState) -> str:
+    """For the final summary: the longest stall and where the ranks last waited."""
+    text = f"stalled for up to {format_seconds(state.longest_stall)} during the run"
+    where = [f"rank {r.rank} {w}" for r in state.ranks.values() if (w := waiting_in(r.diag))]
+    return text + (f" ({'; '.join(where)})" if where else "")
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "wait",
+)
+
+
+def waiting_in(diag: str) -> str:
+    """From a rank's latest faulthandler stack dump: the collective it waits in (or the
+    innermost frame of its main thread), e.g. ``all_reduce (train.py:12)``."""
+    dump = diag.rsplit("Current thread", 1)
+    if len(dump) < 2:
+        dump = diag.rsplit("Thread 0x", 1)
+    if len(dump) < 2:
+        return ""
+    frames = [line.strip() for line in dump[1].splitlines() if line.strip().startswith("File ")]
+    # faulthandler lists the innermost frame first: ``File "x.py", line 12 in all_reduce``.
+    for frame in frames:
+        name = frame.rsplit(" in ", 1)[-1]
+        if name in COLLECTIVES:
+            return f"waiting in {name} ({_short(frame)})"
+    return f"in {_short(frames[0])}" if frames else ""
+
+
+def _short(frame: str) -> str:
+    try:
+        path = frame.split('"')[1]
+        line = frame.split("line ")[1].split()[0]
+        name = frame.rsplit(" in ", 1)[-1]
+    except IndexError:
+        return frame
+    return f"{name}, {path.rsplit('/', 1)[-1]}:{line}"
+
+
+def effective_settings(state: LaunchState) -> str:
+    """What the ranks' Accelerators run, where it differs between ranks or from the launch."""
+    seen = {tuple(sorted(r.effective.items())) for r in state.ranks.values() if r.effective}
+    if not seen:
+        return ""
+    texts = []
+    for settings in sorted(seen):
+        d = dict(settings)
+        texts.append(
+            f"mixed_precision={d.get('mixed_precision')}, strategy={d.get('strategy')}, "
+            f"device={d.get('device')}"
+        )
+    return "ranks run: " + " | ".join(texts)
+
+
+def describe(state: LaunchState) -> str:
+    """The launch's settings, with the precision/strategy the ranks report where they did."""
+    text = state.info.describe()
+    effective = [r.effective for r in state.ranks.values() if r.effective]
+    if effective:
+        first = effective[0]
+        for key in ("mixed_precision", "strategy"):
+            launch_value = getattr(state.info, key)
+            if first.get(key) and first[key] != launch_value:
+                text = text.replace(f"{key}={launch_value}", f"{key}={first[key]} (set in code)")
+    return text
+
+
+def _rows(state: LaunchState) -> tuple[list[str], list[list[str]]]:
+    """Header and rows; the progress, memory and metrics columns only where some rank has them."""
+    ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
+    slow = state.stragglers()
+    with_progress = any(r.bars for r in ranks)
+    with_memory = any(r.rss is not None or r.gpu_memory is not None for r in ranks)
+    with_metrics = any(r.metrics for r in ranks)
+    header = ["rank", "status"] + ["progress", "rate"] * with_progress
+    header += ["memory"] * with_memory + ["elapsed"] + ["metrics"] * with_metrics
+    rows = []
+    for rank in ranks:
+        status = str(rank.status) + (f" ({STRAGGLER_MARK})" if rank.rank in slow else "")
+        status += f": {rank.error_line}" if rank.error_line else ""
+        row = [str(rank.rank), status]
+        row += [format_count(rank), format_rate(rank)] * with_progress
+        row += [format_memory(rank)] * with_memory + [format_seconds(rank.elapsed)]
+        row += [format_metrics(rank.metrics) or "-"] * with_metrics
+        rows.append(row)
+    return header, rows
+
+
+def headline(state: LaunchState) -> str:
+    outcome = state.outcome or "running"
+    return f"nbaccel: {describe(state)} — {outcome} after {format_seconds(state.elapsed)}"
+
+
+def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None) -> str:
+    """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too."""
+    header, body = _rows(state)
+    rows = [header, *body]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [headline(state)]
+    if any(r.bars for r in state.ranks.values()):
+        lines.append("  " + run_line(state))
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if state.longest_stall:
+        lines.append(f"  {stall_summary(state)}")
+    for rank, tail in sorted((outputs or {}).items()):
+        if tail:
+            lines.append(f"-- rank {rank} output (last {min(len(tail), TEXT_TAIL)} lines) --")
+            lines += [f"[rank{rank}] {line}" for line in tail[-TEXT_TAIL:]]
+    return "\n".join(lines)
+
+
+CELL = "padding:2px 10px;text-align:left;white-space:nowrap;vertical-align:top"
+
+
 def summary_html(
     state: LaunchState, outputs: dict[int, list[str]] | None = None, charts: bool = False
 ) -> str:
     """The table as static HTML; optionally the metric charts (SVG) and each rank's output in a
     collapsed ``<details>``, so a saved notebook keeps what the live dashboard showed."""
-    header, rows = _table(state)
-    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>" for h in header)
+    header, rows = _rows(state)
+    head = "".join(f"<th style='{CELL}'>{h}</th>" for h in header)
     body = []
     for cells, rank in zip(rows, sorted(state.ranks.values(), key=lambda r: r.rank)):
         colour = STATUS_COLOURS.get(rank.status, "inherit")
         tds = "".join(
-            f"<td style='padding:2px 10px;{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
+            f"<td style='{CELL};{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
             for i, c in enumerate(cells)
         )
         body.append(
             f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}'>{tds}</tr>"
         )
     extra = ""
+    if any(r.bars for r in state.ranks.values()):
+        extra = f"<div class='nbaccel-run'>{html.escape(run_line(state))}</div>"
+    if state.longest_stall:
+        extra += f"<div class='nbaccel-stall'>{html.escape(stall_summary(state))}</div>"
+    table = (
+        "<table style='border-collapse:collapse;font-family:monospace;margin:0'>"
+        f"<tr>{head}</tr>{''.join(body)}</table>"
+    )
+    after = ""
     if charts:
         from nbaccel.ui.chart import metrics_charts
 
-        extra += metrics_charts({r.rank: r.history for r in state.ranks.values()})
+        after += metrics_charts({r.rank: r.history for r in state.ranks.values()})
     for rank, tail in sorted((outputs or {}).items()):
         if tail:
-            extra += (
+            after += (
                 f"<details class='nbaccel-output' data-rank='{rank}'><summary>rank {rank} output "
                 f"({len(tail)} lines)</summary><pre style='max-height:20em;overflow:auto'>"
                 f"{html.escape(chr(10).join(tail))}</pre></details>"
             )
     return (
-        f"<div class='nbaccel-summary'><div style='font-weight:600'>{html.escape(headline(state))}</div>"
-        f"<table style='border-collapse:collapse;font-family:monospace'><tr>{head}</tr>{''.join(body)}</table>"
-        f"{extra}</div>"
+        f"<div class='nbaccel-summary'><div style='font-weight:600'>"
+        f"{html.escape(headline(state))}</div>{extra}{table}{after}</div>"
     )

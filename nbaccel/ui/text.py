@@ -1,5 +1,6 @@
-"""The plain-text view: labelled rank output as it arrives, compact progress lines at a bounded
-rate, and the final summary as text. Works in every frontend and in plain scripts."""
+"""The plain-text view: labelled rank output as it arrives, a run line and per-rank progress lines
+at a bounded rate, a stall notice, and the final summary as text. Works in every frontend and in
+plain scripts."""
 
 from __future__ import annotations
 
@@ -7,14 +8,30 @@ import sys
 import time
 
 from nbaccel.core.launch_state import LaunchState
-from nbaccel.ui.summary import format_metrics, format_progress, summary_text
+from nbaccel.ui.resources import MemorySampler
+from nbaccel.ui.summary import (
+    STRAGGLER_MARK,
+    format_memory,
+    format_metrics,
+    format_progress,
+    run_line,
+    stall_text,
+    summary_text,
+)
+
+PARTIAL_QUIET = 1.0  # seconds an unfinished line (``\r`` progress) waits before it is printed
 
 
 class TextView:
     """Print each rank's lines as ``[rankN] text`` on the kernel's stdout/stderr.
 
     ``progress_interval`` bounds how often progress lines are printed (seconds), whatever the
-    ranks' step rate.
+    ranks' step rate. An unfinished line (``print("\\rstep 5", end="")``) is printed once it has
+    not changed for a second.
+
+    Example::
+
+        nbaccel.notebook_launcher(train, num_processes=2, view=TextView(progress_interval=5))
     """
 
     def __init__(self, show_progress: bool = True, progress_interval: float = 2.0) -> None:
@@ -24,6 +41,10 @@ class TextView:
         self._last_progress = 0.0
         self._last_flush = 0.0
         self._printed_progress: dict[int, str] = {}
+        self._partial: dict[tuple[int, str], tuple[str, float]] = {}
+        self._printed_partial: dict[tuple[int, str], str] = {}
+        self._stall_shown = ""
+        self._memory = MemorySampler()
 
     def start(self, state: LaunchState) -> None:
         self._state = state
@@ -31,12 +52,27 @@ class TextView:
         print(f"nbaccel: launching {state.info.describe()}", file=sys.stdout)
 
     def output(self, rank: int, stream: str, lines: list[str]) -> None:
+        if self._state is not None and rank in self._state.ranks:
+            self._state.ranks[rank].note_activity()
+        key = (rank, stream)
+        shown = self._printed_partial.pop(key, None)
+        if shown is not None and lines and lines[0] == shown:
+            lines = lines[1:]  # printed already as an unfinished line
         target = sys.stderr if stream == "stderr" else sys.stdout
         label = f"[rank{rank}] "
         target.write("".join(f"{label}{line}\n" for line in lines))
 
+    def partial(self, rank: int, stream: str, text: str) -> None:
+        """The rank's unfinished line now ("" when there is none)."""
+        key = (rank, stream)
+        if not text:
+            self._partial.pop(key, None)
+        elif self._partial.get(key, ("",))[0] != text:
+            self._partial[key] = (text, time.monotonic())
+
     def update(self) -> None:
         now = time.monotonic()
+        self._print_quiet_partials(now)
         if now - self._last_flush >= 0.1:
             self._flush()
             self._last_flush = now
@@ -45,16 +81,37 @@ class TextView:
         if now - self._last_progress < self.progress_interval:
             return
         self._last_progress = now
-        for rank in sorted(self._state.ranks.values(), key=lambda r: r.rank):
+        state = self._state
+        self._memory.sample(state)
+        if any(r.bars for r in state.ranks.values()):
+            print(f"nbaccel {run_line(state)}", file=sys.stdout)
+        slow = state.stragglers()
+        for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
             if rank.bar is None and not rank.metrics:
                 continue
-            text = f"{format_progress(rank)} {format_metrics(rank.metrics)}".strip()
+            parts = [format_progress(rank), format_metrics(rank.metrics)]
+            parts.append("" if rank.rss is None else format_memory(rank))
+            parts.append(f"<- {STRAGGLER_MARK}" if rank.rank in slow else "")
+            text = " ".join(p for p in parts if p).strip()
             if self._printed_progress.get(rank.rank) != text:
                 self._printed_progress[rank.rank] = text
                 print(f"[rank{rank.rank}] progress: {text}", file=sys.stdout)
+        stall = stall_text(state)
+        if stall and stall != self._stall_shown:
+            self._stall_shown = stall
+            print(f"nbaccel: {stall}", file=sys.stdout)
+
+    def _print_quiet_partials(self, now: float) -> None:
+        for key, (text, since) in list(self._partial.items()):
+            if now - since >= PARTIAL_QUIET and self._printed_partial.get(key) != text:
+                self._printed_partial[key] = text
+                rank, stream = key
+                target = sys.stderr if stream == "stderr" else sys.stdout
+                target.write(f"[rank{rank}] {text}\n")
 
     def finish(self) -> None:
         if self._state is not None and self.show_progress:
+            self._memory.sample(self._state, force=True)
             print(summary_text(self._state), file=sys.stdout)
         self._flush()
 

@@ -1,0 +1,188 @@
+"""The launch state the views read: rates across epochs, the run line, stragglers, stalls, and the
+text the views make of it. Fast: synthetic events with explicit times, no ranks."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from nbaccel.core.launch_state import LaunchInfo, LaunchState, RankState, RankStatus
+from nbaccel.core.local_traceback import Renderer, render_launch_error
+from nbaccel.launch.lines import LineSplitter
+from nbaccel.ui import chart, panes, summary, table
+
+
+def make_state(n: int = 2, t0: float = 1000.0) -> LaunchState:
+    info = LaunchInfo(
+        world_size=n,
+        num_processes=n,
+        node_rank=0,
+        first_rank=0,
+        device="cpu",
+        backend="gloo",
+        mixed_precision="no",
+        strategy="ddp",
+        gradient_accumulation_steps=1,
+        master_addr="127.0.0.1",
+        master_port=1234,
+        start_method="forkserver",
+    )
+    ranks = {r: RankState(r, status=RankStatus.RUNNING, started_at=t0) for r in range(n)}
+    return LaunchState(info, ranks, started_at=t0)
+
+
+def run_epochs(rank: RankState, t0: float, epochs: int, steps: int, step_time: float) -> float:
+    """Feed an epoch bar around per-epoch batch bars, 10 events a second; return the end time."""
+    t = t0
+    rank.on_progress(0, 0, epochs, "epoch", 0.0, now=t)
+    for e in range(epochs):
+        bar_id = e + 1
+        rank.on_progress(bar_id, 0, steps, "batch", 0.0, now=t)
+        for n in range(1, steps + 1):
+            t += step_time
+            if n % max(1, int(0.1 / step_time)) == 0 or n == steps:
+                rank.on_progress(bar_id, n, steps, "batch", t - t0, unit_scale=8, now=t)
+        rank.on_progress(bar_id, steps, steps, "batch", t - t0, closed=True, unit_scale=8, now=t)
+        rank.on_progress(0, e + 1, epochs, "epoch", t - t0, now=t)
+    return t
+
+
+def test_rate_carries_over_epoch_boundaries_and_run_eta_covers_the_whole_run():
+    state = make_state(1)
+    rank = state.ranks[0]
+    t = run_epochs(rank, 1000.0, epochs=2, steps=23, step_time=0.02)  # 0.46 s epochs
+    # The third epoch's bar has just opened at 0/23: the rate is still there.
+    rank.on_progress(3, 0, 23, "batch", t - 1000.0, now=t)
+    rate = rank.step_rate(now=t + 0.05)
+    assert rate is not None and 40 < rate < 55, rate  # 50 steps/s
+    done, total, _ = rank.run_progress()
+    assert (done, total) == (46, 46)  # the epoch bar says 2 epochs of 23 batches
+    facts = state.run_line(now=t + 0.05)
+    assert facts["steps"] == 46 and facts["epoch"] == (2, 2)
+    assert facts["samples_per_s"] and 300 < facts["samples_per_s"] < 450  # 8 samples a step
+
+
+def test_run_total_from_epoch_bar_times_batches():
+    state = make_state(1)
+    rank = state.ranks[0]
+    rank.on_progress(0, 0, 10, "epoch", 0.0, now=1000.0)
+    rank.on_progress(1, 0, 100, "batch", 0.0, now=1000.0)
+    rank.on_progress(1, 50, 100, "batch", 1.0, now=1001.0)
+    assert rank.run_progress() == (50, 1000, "steps")
+    eta = rank.eta(now=1001.0)
+    assert eta is not None and 17 < eta < 20  # 950 steps at 50/s
+    line = summary.run_line(state)
+    assert "step 50/1,000" in line and "epoch 0/10" in line and "ETA" in line
+
+
+def test_rate_never_blank_once_steps_arrive():
+    rank = make_state(1).ranks[0]
+    assert rank.step_rate(now=1000.0) is None
+    rank.on_progress(0, 0, 100, None, 0.0, now=1000.0)
+    rank.on_progress(0, 3, 100, None, 0.3, now=1000.3)
+    for later in (1000.5, 1005.0, 1030.0):  # quiet spells of any length keep a rate
+        assert rank.step_rate(now=later), later
+
+
+def test_straggler_is_a_rank_20_percent_below_the_median():
+    t0 = time.monotonic() - 4.5  # the tables below are rendered at the real "now"
+    state = make_state(3, t0)
+    for r, steps, step_time in ((0, 400, 0.01), (1, 400, 0.01), (2, 200, 0.02)):
+        run_epochs(state.ranks[r], t0, epochs=1, steps=steps, step_time=step_time)
+    assert state.stragglers(now=t0 + 4) == {2}
+    html = table.table_html(state)
+    assert "data-rank='2'" in html and "nbaccel-straggler" in html
+    assert re.search(r"data-rank='2'[^>]*data-straggler='1'", html)
+    assert "(straggler)" in summary.summary_text(state)
+
+
+def test_stall_after_quiet_period_asks_for_stacks_once():
+    state = make_state(2)
+    state.stall_after = 30
+    for r in state.ranks.values():
+        r.on_progress(0, 5, 10, None, 1.0, now=1001.0)
+    assert state.stalled_for(now=1020.0) is None
+    assert state.stalled_for(now=1032.0) == 31.0
+    assert state.wants_stacks(now=1032.0) and not state.wants_stacks(now=1040.0)
+    state.ranks[0].diag = (
+        "Current thread 0x00007f (most recent call first):\n"
+        '  File "/x/torch/distributed/distributed_c10d.py", line 2501 in all_reduce\n'
+        '  File "/tmp/ipykernel_1/2.py", line 7 in train\n'
+    )
+    state.ranks[0].last_advance = 1001.0
+    text = summary.stall_text(state)
+    assert "no rank has advanced" in text and "rank 0: waiting in all_reduce" in text
+    assert "rank 1: no stack yet" in text
+
+
+def test_effective_settings_replace_the_launch_settings_in_the_banner():
+    state = make_state(1)
+    state.ranks[0].effective = {"mixed_precision": "bf16", "strategy": "ddp", "device": "cpu"}
+    assert "mixed_precision=bf16 (set in code)" in summary.headline(state)
+    assert "data-precision='bf16'" in table.header_html(state)
+
+
+def test_summary_cells_are_left_aligned_for_jupyterlab():
+    state = make_state(2)
+    state.ranks[1].status = RankStatus.STOPPED
+    html = summary.summary_html(state)
+    assert "text-align:right" not in html
+    assert all("text-align:left" in td for td in re.findall(r"<td[^>]*>", html))
+
+
+def test_chart_legend_in_rank_order_and_readable_axis_labels():
+    svg = chart.line_chart("loss", {1: [(0, 0.000531), (1840, 0.5)], 0: [(0, 0.2), (1840, 0.1)]})
+    legend = re.findall(r"class='nbaccel-legend'>rank (\d)<", svg)
+    xs = [float(x) for x in re.findall(r"x='([\d.]+)'[^>]*class='nbaccel-legend'", svg)]
+    assert legend == ["0", "1"] and xs == sorted(xs)
+    assert ">1.84k<" in svg and ">531µ<" in svg and "e+03" not in svg
+
+
+def test_pane_keeps_the_last_lines_and_counts_dropped_ones():
+    buf = panes.PaneBuffer()
+    buf.extend("stdout", [f"line {i}" for i in range(1500)])
+    html = panes.pane_html(0, buf)
+    assert "data-dropped='500'" in html and "500 earlier lines dropped" in html
+    assert "line 1499" in html and "line 499<" not in html
+    assert "flex-direction:column-reverse" in html  # the box stays at the newest line
+
+
+def test_line_splitter_shows_partial_lines_and_drops_torch_rank_prefix():
+    s = LineSplitter()
+    assert s.feed(b"\rstep 1") == [] and s.pending == "step 1"
+    assert s.feed(b"\rstep 2") == [] and s.pending == "step 2"
+    assert s.feed(b"\n[rank0]:W1201 12:00:00 warning\n") == ["step 2", "W1201 12:00:00 warning"]
+    assert s.pending == ""
+
+
+def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
+    import linecache
+
+    from nbaccel.core.errors import RankFailedError
+
+    cell_file = "/tmp/ipykernel_4242/123456.py"
+    source = "def boom():\n    x = 1\n    raise ValueError('bad batch')\n"
+    linecache.cache[cell_file] = (len(source), None, source.splitlines(True), cell_file)
+    nbaccel_file = Renderer.__module__.replace(".", "/")  # any file inside the package
+    import nbaccel
+
+    pkg = nbaccel.__path__[0]
+    remote = (
+        "Traceback (most recent call last):\n"
+        f'  File "{pkg}/rank/entry.py", line 50, in _run\n'
+        "    result = fn()\n"
+        f'  File "{cell_file}", line 3, in boom\n'
+        "    raise ValueError('bad batch')\n"
+        "ValueError: bad batch\n"
+    )
+    err = RankFailedError(1, 2, "raised ValueError: bad batch", remote, "builtins.ValueError")
+    labels = {cell_file: "Cell In[7]"}
+    r = Renderer(colour=False, cell_label=labels.get)
+    text = "\n".join(r.traceback_text(remote))
+    assert "Cell In[7], line 3, in boom()" in text
+    assert "----> 3     raise ValueError('bad batch')" in text
+    assert "entry.py" not in text and nbaccel_file not in text
+    plain = "\n".join(render_launch_error(err, colour=False))
+    assert plain.endswith("RankFailedError: rank 1 (of 2) raised ValueError: bad batch")
+    assert "\x1b[" not in plain and "\x1b[" in "\n".join(render_launch_error(err, colour=True))
+    assert err.rank == 1 and err.remote_traceback == remote  # attributes unchanged
