@@ -83,6 +83,7 @@ class Accelerator(ProcessControl):
         self._precision = select_precision(mp, self.state.device)
         self._gs = GradientState(accumulation_steps=steps)
         self.gradient_state = self._gs  # Accelerate's public name for the same object
+        reporting.report_settings(self.mixed_precision, self.strategy, str(self.device), steps)
         self.device_placement, self.split_batches = device_placement, split_batches
         self.even_batches = even_batches
         self.project_dir = Path(project_dir) if project_dir is not None else None
