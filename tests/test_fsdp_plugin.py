@@ -379,7 +379,7 @@ def resume(kind: str, folder: str, steps: int = 3) -> dict:
     acc2.load_state(folder)
     loaded = _full(acc2, model2)
     resumed = [_step(acc2, model2, opt2, s) for s in range(steps, 2 * steps)]
-    acc2.save(acc2.get_state_dict(model2), Path(folder).parent / f"{kind}_weights.pt")
+    acc2.save_model(model2, Path(folder).parent / f"{kind}_weights")  # gathered, safetensors
     return {
         "first": first,
         "saved": saved,
@@ -427,10 +427,12 @@ def test_state_dicts_round_trip_and_resume_bitwise(checkpoints, kind):
 @pytest.mark.slow
 def test_sharded_checkpoint_from_two_ranks_loads_in_one_process(checkpoints):
     r = checkpoints["SHARDED_STATE_DICT"]
-    # The full weights the 2-rank run wrote after resuming from its sharded checkpoint...
+    from nbaccel.utils import load_checkpoint_in_model
+
+    # The full weights save_model wrote from 2 ranks after resuming from the sharded checkpoint
     plain = Net()
-    plain.load_state_dict(torch.load(checkpoints["root"] / "SHARDED_STATE_DICT_weights.pt"))
-    _same({k: v for k, v in plain.state_dict().items()}, r["resumed_final"])
+    load_checkpoint_in_model(plain, checkpoints["root"] / "SHARDED_STATE_DICT_weights", strict=True)
+    _same(dict(plain.state_dict()), r["resumed_final"])
     # ...and the sharded folder itself, read by one process (no process group at all).
     acc, model, _ = _build(Plugin(state_dict_type="SHARDED_STATE_DICT"), seed=3)
     assert acc.num_processes == 1
