@@ -38,8 +38,9 @@ def test_demo_runs_two_ranks_and_prints_the_result(tmp_path):
     result = run_cli("demo", "--steps", "20", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert any(line.startswith("[rank0] rank 0/2") for line in lines)
-    assert any(line.startswith("[rank1] rank 1/2") for line in lines)
+    assert any(line.startswith("[rank0] data: ") for line in lines)
+    assert any(line.startswith("[rank1] data: ") for line in lines)
+    assert not any(line.startswith("[rank0] rank") for line in lines)  # no doubled "rank"
     assert "result from rank 0: {'world_size': 2, 'steps': 20" in result.stdout
 
 

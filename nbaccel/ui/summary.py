@@ -205,7 +205,8 @@ def _rows(state: LaunchState) -> tuple[list[str], list[list[str]]]:
 
 def headline(state: LaunchState) -> str:
     outcome = state.outcome or "running"
-    return f"nbaccel: {describe(state)} — {outcome} after {format_seconds(state.elapsed)}"
+    took = format_seconds(state.elapsed)
+    return f"nbaccel: {describe(state)} — {outcome}; launch took {took} (start to last exit)"
 
 
 def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None) -> str:
