@@ -18,6 +18,7 @@ ALLOWED = {
     "core": set(),
     "rank": {"core"},
     "training": {"core", "rank"},
+    "utils": {"core", "rank", "training"},  # accelerate.utils's names; training side
     "ui": {"core"},
     "launch": {"core", "ui"},
     "cli": {"core", "rank", "training", "ui", "launch"},

@@ -23,12 +23,30 @@ class ProcessControl:
 
     # -- collectives ----------------------------------------------------------------------
 
-    gather = staticmethod(ops.gather)
+    def gather(self, tensor: Any) -> Any:
+        """Concatenate every rank's tensors along the first dimension (on every rank).
+
+        Example::
+
+            preds = accelerator.gather(logits.argmax(-1))    # shape [world * batch]
+        """
+        return ops.gather(tensor)
+
     gather_object = staticmethod(ops.gather_object)
-    pad_across_processes = staticmethod(ops.pad_across_processes)
+
+    def pad_across_processes(
+        self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+    ) -> Any:
+        """Pad tensors along ``dim`` to the largest size over the ranks, so they can be gathered.
+
+        Example::
+
+            tokens = accelerator.pad_across_processes(tokens, dim=1, pad_index=pad_id)
+        """
+        return ops.pad_across_processes(tensor, dim, pad_index, pad_first)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Sum (default) or average tensors over the ranks.
+        """Sum (default), average ("mean") or maximum ("max") of tensors over the ranks.
 
         Example::
 
@@ -45,9 +63,10 @@ class ProcessControl:
         """
         return ops.broadcast(tensor, from_process)
 
-    def gather_for_metrics(self, input_data: Any) -> Any:
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather, then drop samples that were duplicated to even out the last batch, so metrics
-        over N ranks equal metrics over the whole dataset.
+        over N ranks equal metrics over the whole dataset. ``use_gather_object=True`` gathers
+        any picklable objects (e.g. strings) into one list.
 
         Example::
 
@@ -57,13 +76,44 @@ class ProcessControl:
         """
         tensors = []
         ops.recursively_apply(tensors.append, input_data)
-        gathered = ops.gather(input_data) if tensors else ops.gather_object(input_data)
+        as_objects = use_gather_object or not tensors
+        gathered = ops.gather_object(input_data) if as_objects else ops.gather(input_data)
         keep = self._gs.remainder if self._gs.at_loader_end else None
         if keep is None:
             return gathered
-        if not tensors:
+        if as_objects:
             return gathered[:keep]
         return ops.recursively_apply(lambda t: t[:keep], gathered)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this rank that :meth:`check_trigger` sees on every rank (e.g. to
+        stop early when one rank's loss turns NaN).
+
+        Example::
+
+            if torch.isnan(loss):
+                accelerator.set_trigger()
+            if accelerator.check_trigger():
+                break
+        """
+        self.flag_tensor = torch.tensor(1, device=self.device)
+
+    def check_trigger(self) -> bool:
+        """True on every rank if any rank called :meth:`set_trigger` since the last check
+        (a collective: call it on every rank); the flag is then lowered.
+
+        Example::
+
+            if accelerator.check_trigger():
+                break
+        """
+        flag = getattr(self, "flag_tensor", None)
+        if flag is None:
+            flag = torch.tensor(0, device=self.device)
+        if ops.reduce(flag, "sum").item() >= 1:
+            self.flag_tensor = torch.tensor(0, device=self.device)
+            return True
+        return False
 
     # -- process control ------------------------------------------------------------------
 
@@ -102,7 +152,50 @@ class ProcessControl:
         if self.is_main_process:
             ops.barrier()
 
-    def on_main_process(self, function: Callable[..., Any]) -> Callable[..., Any]:
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Run the block on each machine's first process first, then on the machine's others.
+
+        Example::
+
+            with accelerator.local_main_process_first():
+                dataset = load_or_build_cache("/local/scratch")
+        """
+        if not self.is_local_main_process:
+            ops.barrier()
+        yield
+        if self.is_local_main_process:
+            ops.barrier()
+
+    def on_process(
+        self, function: Callable[..., Any] | None = None, process_index: int | None = None
+    ) -> Any:
+        """Decorator: the function only runs on process ``process_index`` (None elsewhere).
+
+        Example::
+
+            @accelerator.on_process(process_index=1)
+            def report(metrics): print(metrics)
+        """
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return _only_if(function, lambda: self.process_index == process_index)
+
+    def on_local_process(
+        self, function: Callable[..., Any] | None = None, local_process_index: int | None = None
+    ) -> Any:
+        """Decorator: runs only on local process ``local_process_index`` of each machine.
+
+        Example::
+
+            @accelerator.on_local_process(local_process_index=0)
+            def unpack(): ...
+        """
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return _only_if(function, lambda: self.local_process_index == local_process_index)
+
+    def on_main_process(self, function: Callable[..., Any] | None = None) -> Any:
         """Decorator: the function only runs on the main process (returns None elsewhere).
 
         Example::
@@ -110,12 +203,58 @@ class ProcessControl:
             @accelerator.on_main_process
             def report(metrics): print(metrics)
         """
+        return _only_if(function, lambda: self.is_main_process)
 
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
+    def on_local_main_process(self, function: Callable[..., Any] | None = None) -> Any:
+        """Decorator: runs only on the first process of each machine.
 
-        return wrapper
+        Example::
+
+            @accelerator.on_local_main_process
+            def download(): ...
+        """
+        return _only_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable[..., Any]) -> Any:
+        """Decorator: runs only on the last process (``num_processes - 1``).
+
+        Example::
+
+            @accelerator.on_last_process
+            def report(metrics): print(metrics)
+        """
+        return _only_if(function, lambda: self.process_index == self.num_processes - 1)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(
+        self, joinables: list[Any], even_batches: bool | None = None
+    ) -> Iterator[None]:
+        """Let ranks with fewer batches finish while DDP keeps the others going (torch's
+        ``Join``); ``even_batches=False`` turns off evening-out for prepared loaders inside.
+
+        Example::
+
+            with accelerator.join_uneven_inputs([model], even_batches=False):
+                for batch in loader:
+                    ...
+        """
+        if not self.state.distributed:
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        loaders = getattr(self, "_dataloaders", [])
+        saved = [(dl, dl.even_batches) for dl in loaders if hasattr(dl, "even_batches")]
+        if even_batches is not None:
+            for dl, _ in saved:
+                dl.even_batches = even_batches
+        even = even_batches if even_batches is not None else self.even_batches
+        try:
+            with Join(joinables, enable=not even, throw_on_early_termination=False):
+                yield
+        finally:
+            for dl, value in saved:
+                dl.even_batches = value
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
@@ -131,14 +270,19 @@ class ProcessControl:
         """
         yield _split(inputs, self.num_processes, self.process_index, apply_padding)
 
-    def end_training(self) -> None:
-        """Wait for every rank at the end of training.
 
-        Example::
+def _only_if(function: Callable[..., Any] | None, allowed: Callable[[], bool]) -> Any:
+    if function is None:
+        raise ValueError(
+            "this decorator needs a function: write @accelerator.on_main_process above a def "
+            "(on_process/on_local_process take process_index=... first)."
+        )
 
-            accelerator.end_training()
-        """
-        ops.barrier()
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs) if allowed() else None
+
+    return wrapper
 
 
 def _split(inputs: Any, world: int, rank: int, pad: bool) -> Any:

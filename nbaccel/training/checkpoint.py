@@ -73,6 +73,7 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
     strategy = prepared.strategy
     sharded = getattr(strategy, "sharded_checkpoint", False)  # FSDP with SHARDED_STATE_DICT
     from nbaccel.training.strategies import fsdp  # torch.distributed.checkpoint: import on use
+
     for i, model in enumerate(prepared.models):
         if sharded:
             fsdp.save_sharded_model(model, staging / f"model_{i}")
@@ -127,6 +128,7 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
     strategy = prepared.strategy
     expected = len({p.name.removesuffix(".pt") for p in path.glob("model_*")})
     from nbaccel.training.strategies import fsdp  # sharded folders load on any strategy
+
     if expected != len(prepared.models):
         raise ValueError(
             f"the checkpoint at {path} holds {expected} model(s) but {len(prepared.models)} were "

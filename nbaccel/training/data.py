@@ -1,10 +1,9 @@
 """Sharding a DataLoader over the ranks: disjoint per-rank batches, reshuffled every epoch,
 even last batches, batches on the right device, and a position that checkpoints can resume.
 
-Every rank computes the same epoch order (a shuffle seeded by a seed shared at ``prepare`` plus
-the epoch number), cuts it into global steps and keeps its own slice. So rank r's batch k is
-exactly the r-th part of what one process with a batch ``world`` times larger would see at step
-k, which is what makes N-rank and 1-process training give the same weights.
+Which indices each rank gets is planned in ``sharding``; this module wraps the user's loader
+around that plan, tracks the epoch and position, and tells the gradient state when the last
+batch comes (for accumulation and ``gather_for_metrics``).
 
 >>> import torch
 >>> from torch.utils.data import DataLoader
@@ -16,124 +15,20 @@ k, which is what makes N-rank and 1-process training give the same weights.
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 from nbaccel.training import ops
 from nbaccel.training.random import synchronize_rng_states
+from nbaccel.training.sharding import ShardedBatchSampler
+from nbaccel.training.sharding import plan_epoch as _plan_epoch
 from nbaccel.training.state import GradientState, ProcessState
 
-
-@dataclasses.dataclass
-class _EpochPlan:
-    batches: list[list[int]]
-    remainder: int | None  # real samples in the last global step when it was padded
-
-
-def _plan_epoch(
-    order: list[int],
-    per_rank: int,
-    world: int,
-    rank: int,
-    drop_last: bool,
-    even: bool,
-) -> _EpochPlan:
-    """This rank's batches of indices for one epoch, given the epoch's order.
-
-    With ``split_batches`` the caller passes ``per_rank = batch_size // world``; the global step
-    is ``per_rank * world`` samples either way.
-    """
-    step = per_rank * world
-    full = len(order) // step
-    batches = [
-        order[s * step + rank * per_rank : s * step + (rank + 1) * per_rank] for s in range(full)
-    ]
-    rest = order[full * step :]
-    remainder = None
-    if rest and not drop_last:
-        if even:
-            size = math.ceil(len(rest) / world)
-            missing = size * world - len(rest)
-            if missing:
-                # Borrow samples from the start of the epoch so every rank gets the same batch
-                # size; gather_for_metrics drops them again using `remainder`.
-                rest = rest + [order[i % len(order)] for i in range(missing)]
-                remainder = len(rest) - missing
-            batches.append(rest[rank * size : (rank + 1) * size])
-        else:
-            mine = rest[rank * per_rank : (rank + 1) * per_rank]
-            if mine:
-                batches.append(mine)
-    return _EpochPlan(batches, remainder)
-
-
-class _ShardedBatchSampler:
-    """Yields this rank's index batches for ``epoch``, starting after ``skip`` batches."""
-
-    def __init__(self, loader: DataLoader, state: ProcessState, split: bool, even: bool, seed: int):
-        self.sampler = loader.sampler
-        self.user_batch_sampler = loader.batch_sampler if loader.batch_size is None else None
-        self.drop_last = loader.drop_last
-        self.world, self.rank, self.even, self.split = (
-            state.num_processes,
-            state.process_index,
-            even,
-            split,
-        )
-        bs = loader.batch_size
-        if bs is not None and split and bs % self.world:
-            raise ValueError(
-                f"split_batches=True needs the DataLoader's batch_size ({bs}) to be a multiple "
-                f"of the number of processes ({self.world}); change batch_size or use "
-                "split_batches=False (each rank then loads batches of that size)."
-            )
-        self.per_rank = None if bs is None else (bs // self.world if split else bs)
-        self.seed, self.epoch, self.skip = seed, 0, 0
-        self.remainder: int | None = None
-
-    def _order(self) -> list[int]:
-        sampler = self.sampler
-        if isinstance(sampler, RandomSampler):
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            sampler = RandomSampler(
-                sampler.data_source,
-                replacement=sampler.replacement,
-                num_samples=sampler._num_samples,
-                generator=generator,
-            )
-        elif not isinstance(sampler, SequentialSampler) and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
-        return list(sampler)
-
-    def plan(self) -> _EpochPlan:
-        if self.user_batch_sampler is not None:
-            if hasattr(self.user_batch_sampler, "set_epoch"):
-                self.user_batch_sampler.set_epoch(self.epoch)
-            every = [list(b) for b in self.user_batch_sampler]
-            if self.even and every and len(every) % self.world:
-                every += every[: self.world - len(every) % self.world]
-            return _EpochPlan(every[self.rank :: self.world], None)
-        return _plan_epoch(
-            self._order(),
-            self.per_rank,
-            self.world,
-            self.rank,
-            self.drop_last,
-            self.even,
-        )
-
-    def __iter__(self) -> Iterator[list[int]]:
-        plan = self.plan()
-        self.remainder = plan.remainder
-        yield from plan.batches[self.skip :]
-
-    def __len__(self) -> int:
-        return len(self.plan().batches)
+__all__ = ["PreparedDataLoader", "_plan_epoch", "shared_seed", "skip_first_batches"]
 
 
 class PreparedDataLoader:
@@ -162,9 +57,10 @@ class PreparedDataLoader:
         device_placement: bool,
         seed: int,
         sync_rng: tuple[str, ...] = (),
+        non_blocking: bool = False,
     ) -> None:
         self.original = loader
-        self._sync_rng = sync_rng
+        self._sync_rng, self._non_blocking = sync_rng, non_blocking
         self._state, self._gs, self._place = state, gradient_state, device_placement
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch, self.position, self._skip = 0, 0, 0
@@ -172,7 +68,7 @@ class PreparedDataLoader:
             self._sampler = None
             self._loader = loader
         else:
-            self._sampler = _ShardedBatchSampler(loader, state, split_batches, even_batches, seed)
+            self._sampler = ShardedBatchSampler(loader, state, split_batches, even_batches, seed)
             # The loader's iterator draws a base seed (for worker seeds) when it starts; drawing
             # it from torch's global RNG would make a resumed run's dropout differ by one draw.
             self._generator = torch.Generator()
@@ -189,20 +85,39 @@ class PreparedDataLoader:
             return len(self.original) // self._state.num_processes
         return len(self._sampler)
 
+    @property
+    def even_batches(self) -> bool:
+        """Whether the last batches are padded so every rank gets as many of the same size."""
+        return self._sampler.even if self._sampler is not None else True
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        if self._sampler is not None:
+            self._sampler.even = value
+
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at ``epoch`` (only for loops that count epochs themselves)."""
         self.epoch = epoch
 
-    def state_dict(self) -> dict[str, int]:
-        """Where this loader is: epoch, batches already yielded in it, and the shuffle seed."""
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: epoch, batches already yielded in it, the shuffle seed, and the
+        loader's own generator as it was when the epoch started."""
         seed = self._sampler.seed if self._sampler else 0
-        return {"epoch": self.epoch, "position": self.position, "seed": seed}
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "seed": seed}
+        if self._sampler is not None and self._sampler.generator is not None:
+            epoch_start = self._sampler.epoch_state if self.position else None
+            state["generator"] = (
+                epoch_start if epoch_start is not None else self._sampler.generator.get_state()
+            )
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration continues ``state['epoch']`` after ``state['position']``."""
         self.epoch, self._skip = int(state["epoch"]), int(state["position"])
         if self._sampler is not None:
             self._sampler.seed = int(state["seed"])
+            if "generator" in state and self._sampler.generator is not None:
+                self._sampler.resume_state = state["generator"]
 
     def __iter__(self) -> Iterator[Any]:
         if self._sync_rng and self._skip == 0:
@@ -219,7 +134,9 @@ class PreparedDataLoader:
             last = self.position == total
             self._gs.at_loader_end = last
             self._gs.remainder = self._sampler.remainder if last and self._sampler else None
-            yield ops.send_to_device(batch, self._state.device) if self._place else batch
+            if self._place:
+                batch = ops.send_to_device(batch, self._state.device, self._non_blocking)
+            yield batch
         self._gs.at_loader_end, self._gs.remainder = False, None
         self.epoch, self.position = self.epoch + 1, 0
 
@@ -236,7 +153,7 @@ class PreparedDataLoader:
 
 
 def _rebuild(
-    loader: DataLoader, batch_sampler: _ShardedBatchSampler, generator: torch.Generator
+    loader: DataLoader, batch_sampler: ShardedBatchSampler, generator: torch.Generator
 ) -> DataLoader:
     """The same loader (workers, collate, pinning) reading this rank's batches."""
     kwargs: dict[str, Any] = {
@@ -253,10 +170,58 @@ def _rebuild(
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if getattr(loader, "pin_memory_device", ""):
         kwargs["pin_memory_device"] = loader.pin_memory_device
+    if batch_sampler.items_are_batches:
+        # The user's BatchSampler was the `sampler` and batch_size None: each item is a batch of
+        # indices the dataset fetches at once, and no collation adds a dimension.
+        return DataLoader(loader.dataset, sampler=batch_sampler, batch_size=None, **kwargs)
     return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
 
 
-def shared_seed(loader: DataLoader) -> int:
-    """A shuffle seed drawn from the loader's generator (else torch's), the same on every rank."""
-    seed = torch.randint(0, 2**31 - 1, (1,), generator=loader.generator)
+def shared_seed(loader: DataLoader, data_seed: int | None = None) -> int:
+    """The shuffle seed for loaders without a generator of their own, the same on every rank:
+    ``data_seed`` when given, else drawn from torch's RNG on the main process.
+
+    A loader with a ``generator`` is shuffled by that generator (see ``sharding``), so nothing is
+    drawn from it here: its order stays the one a plain DataLoader would produce.
+    """
+    if data_seed is not None:
+        return int(data_seed)
+    if loader.generator is not None:
+        return 0
+    seed = torch.randint(0, 2**31 - 1, (1,))
     return int(ops.broadcast(seed).item())
+
+
+class _SkipFirst:
+    """A loader whose every epoch starts ``num_batches`` in (Accelerate's skip_first_batches)."""
+
+    def __init__(self, loader: Any, num_batches: int) -> None:
+        self.loader, self.num_batches = loader, num_batches
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.num_batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        if isinstance(self.loader, PreparedDataLoader):
+            # Replaces (not adds to) a position restored by load_state: ported Accelerate loops
+            # call load_state and then skip_first_batches with the same number.
+            self.loader._skip = self.num_batches
+            return iter(self.loader)
+        return itertools.islice(iter(self.loader), self.num_batches, None)
+
+
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """A loader that skips the first ``num_batches`` batches of each epoch it runs.
+
+    Example::
+
+        active = skip_first_batches(train_dl, 25)   # resume the interrupted epoch
+    """
+    if isinstance(dataloader, _SkipFirst):
+        dataloader = dataloader.loader
+    return _SkipFirst(dataloader, num_batches)

@@ -102,19 +102,24 @@ def gather_object(obj: Any) -> list[Any]:
 
 
 def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
-    """Sum or average every tensor over the ranks; the result is on every rank.
+    """Average ("mean"), sum ("sum", and "none" as in Accelerate) or take the largest value
+    ("max") of every tensor over the ranks; the result is on every rank.
 
     Example::
 
         mean_loss = reduce(loss.detach(), "mean")
+        worst = reduce(loss.detach(), "max")
     """
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction={reduction!r} is not supported; choose 'sum' or 'mean'.")
+    if reduction not in ("sum", "mean", "max", "none"):
+        raise ValueError(
+            f"reduction={reduction!r} is not supported; choose 'mean', 'sum', 'max' or 'none'."
+        )
+    op = dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
         if _world() > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=op)
             if reduction == "mean":
                 out = out / _world()
         return out * scale if scale != 1.0 else out

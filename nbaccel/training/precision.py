@@ -15,6 +15,7 @@ torch.bfloat16
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +39,28 @@ class Precision:
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
 
-    def forward_context(self) -> contextlib.AbstractContextManager:
+    def forward_context(self, handler: Any = None) -> contextlib.AbstractContextManager:
+        """The autocast context; ``handler`` is an ``AutocastKwargs`` (None: defaults)."""
         return contextlib.nullcontext()
+
+    def autocast_forward(self, module: torch.nn.Module, handler: Any = None) -> None:
+        """Make ``module``'s forward run under :meth:`forward_context`, so users need no
+        ``with accelerator.autocast()`` (undone by :meth:`remove_autocast_forward`)."""
+        original = module.forward
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with self.forward_context(handler):
+                return original(*args, **kwargs)
+
+        forward.__nbaccel_original__ = original
+        module.forward = forward
+
+    @staticmethod
+    def remove_autocast_forward(module: torch.nn.Module) -> None:
+        """Back to the class's own forward (``unwrap_model(keep_fp32_wrapper=False)``)."""
+        if hasattr(module.__dict__.get("forward"), "__nbaccel_original__"):
+            del module.__dict__["forward"]
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         loss.backward(**kwargs)
@@ -66,16 +87,21 @@ class AutocastPrecision(Precision):
         super().__init__(device)
         self.dtype, self.name = dtype, name
 
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=self.dtype)
+    def forward_context(self, handler: Any = None) -> contextlib.AbstractContextManager:
+        enabled = getattr(handler, "enabled", True)
+        cache = getattr(handler, "cache_enabled", None)
+        return torch.autocast(
+            self.device.type, dtype=self.dtype, enabled=enabled, cache_enabled=cache
+        )
 
 
 class Fp16Precision(AutocastPrecision):
     """fp16: autocast plus a GradScaler, so small gradients do not vanish in half precision."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, scaler_kwargs: Any = None) -> None:
         super().__init__(device, torch.float16, "fp16")
-        self.scaler = torch.amp.GradScaler(device.type)
+        options = scaler_kwargs.to_kwargs() if scaler_kwargs is not None else {}
+        self.scaler = torch.amp.GradScaler(device.type, **options)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.scaler.scale(loss).backward(**kwargs)
@@ -126,7 +152,7 @@ class Fp8Precision(AutocastPrecision):
         return convert_to_float8_training(module, module_filter_fn=fits)
 
 
-def select_precision(name: str, device: torch.device) -> Precision:
+def select_precision(name: str, device: torch.device, scaler_kwargs: Any = None) -> Precision:
     """The precision object for ``mixed_precision=name`` on ``device``, or a clear error.
 
     Example::
@@ -150,7 +176,7 @@ def select_precision(name: str, device: torch.device) -> Precision:
     if name == "no":
         return Precision(device)
     if name == "fp16":
-        return Fp16Precision(device)
+        return Fp16Precision(device, scaler_kwargs)
     if name == "bf16":
         return AutocastPrecision(device, torch.bfloat16, "bf16")
     return Fp8Precision(device)

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import enum
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,10 +68,11 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
-def detect_state(cpu: bool = False) -> ProcessState:
+def detect_state(cpu: bool = False, init_kwargs: Any = None) -> ProcessState:
     """Read rank and world from the environment, choose the device, start the process group.
 
-    ``cpu=True`` forces the CPU (and gloo) even where GPUs are visible.
+    ``cpu=True`` forces the CPU (and gloo) even where GPUs are visible; ``init_kwargs`` (an
+    ``InitProcessGroupKwargs``) may set the process group's timeout.
 
     Example::
 
@@ -96,11 +98,14 @@ def detect_state(cpu: bool = False) -> ProcessState:
     backend = None
     if world > 1:
         backend = "nccl" if use_cuda else "gloo"
-        _init_process_group(backend, rank, world, device)
+        timeout = getattr(init_kwargs, "timeout", None) or datetime.timedelta(minutes=30)
+        _init_process_group(backend, rank, world, device, timeout)
     return ProcessState(rank, local_rank, world, local_world, device, backend)
 
 
-def _init_process_group(backend: str, rank: int, world: int, device: torch.device) -> None:
+def _init_process_group(
+    backend: str, rank: int, world: int, device: torch.device, timeout: datetime.timedelta
+) -> None:
     if dist.is_initialized():
         current = dist.get_backend()
         if backend not in str(current):
@@ -121,7 +126,7 @@ def _init_process_group(backend: str, rank: int, world: int, device: torch.devic
         backend,
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(minutes=30),
+        timeout=timeout,
         **kwargs,
     )
 
@@ -136,3 +141,7 @@ class GradientState:
     at_loader_end: bool = False  # the active dataloader is yielding its last batch
     remainder: int | None = None  # real samples in that last batch over all ranks, if padded
     optimizer_step_was_skipped: bool = False
+
+    # Accelerate's names for the same facts, for loops that read accelerator.gradient_state.
+    end_of_dataloader = property(lambda self: self.at_loader_end)
+    num_steps = property(lambda self: self.accumulation_steps)

@@ -16,6 +16,7 @@ class Strategy:
     """The interface every strategy implements; the defaults suit a plain local model."""
 
     name = "base"
+    ddp_kwargs: dict[str, Any] = {}  # DistributedDataParallelKwargs, for strategies that use DDP
 
     def __init__(self, state: ProcessState) -> None:
         self.state = state
@@ -119,7 +120,8 @@ class PreparedScheduler:
 
     Schedules are usually sized from the unsharded DataLoader's length; each rank sees only
     1/N of the batches, so stepping N times per optimizer step makes the schedule end on time.
-    Accumulation micro-steps and steps skipped by the fp16 scaler do not advance it.
+    Accumulation micro-steps and steps skipped by the fp16 scaler do not advance it. With
+    ``step_scheduler_with_optimizer=False`` every ``step()`` advances it exactly once.
     """
 
     def __init__(
@@ -128,9 +130,10 @@ class PreparedScheduler:
         optimizers: list[PreparedOptimizer],
         gs: GradientState,
         steps_per_update: int,
+        step_with_optimizer: bool = True,
     ) -> None:
         self.scheduler, self._optimizers, self._gs = scheduler, optimizers, gs
-        self._n = steps_per_update
+        self._n, self._with_optimizer = steps_per_update, step_with_optimizer
 
     def __getattr__(self, name: str) -> Any:
         if name == "scheduler":
@@ -138,6 +141,10 @@ class PreparedScheduler:
         return getattr(self.scheduler, name)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        if not self._with_optimizer:
+            # step_scheduler_with_optimizer=False: the user steps it on their own schedule.
+            self.scheduler.step(*args, **kwargs)
+            return
         if not self._gs.sync_gradients:
             return
         if any(opt.step_was_skipped for opt in self._optimizers):

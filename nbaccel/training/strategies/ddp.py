@@ -32,7 +32,7 @@ class DDPStrategy(Strategy):
         if not self.state.distributed:
             return module
         device_ids = [self.state.device.index] if self.state.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids)
+        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module

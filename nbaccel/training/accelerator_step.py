@@ -1,0 +1,214 @@
+"""The Accelerator's training-step methods: backward, accumulation, clipping, unscaling,
+autocast, profiling, freeing memory and resuming a loader mid-epoch.
+
+Mixed into :class:`nbaccel.Accelerator`; relies on its strategy, precision and gradient state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nbaccel.training import data
+from nbaccel.training.memory import release_memory
+from nbaccel.training.options import AutocastKwargs, ProfileKwargs
+
+
+class TrainingStep:
+    """Mixed into :class:`nbaccel.Accelerator`."""
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with fp16 loss scaling and division for gradient accumulation.
+
+        Example::
+
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)   # instead of loss.backward()
+        """
+        if not self._models:
+            raise RuntimeError(
+                "accelerator.backward() was called before any model was prepared; call "
+                "model, optimizer = accelerator.prepare(model, optimizer) first."
+            )
+        if self._gs.accumulation_steps > 1:
+            loss = loss / self._gs.accumulation_steps
+        self._precision.backward(loss, **kwargs)
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
+        """The mixed-precision context (prepared models already run their forward in it);
+        ``AutocastKwargs(enabled=False)`` turns it off for a block.
+
+        Example::
+
+            with accelerator.autocast():
+                loss = loss_fn(outputs, targets)   # a loss computed outside the model
+        """
+        return self._precision.forward_context(autocast_handler or self.autocast_handler)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Accumulate gradients over ``gradient_accumulation_steps`` micro-steps.
+
+        Gradients are synchronised (and optimizer/scheduler step) only on the last micro-step
+        of each group, and on the last batch of a prepared DataLoader.
+
+        Example::
+
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_fn(model(x), y))
+                optimizer.step()        # a real step every gradient_accumulation_steps
+                optimizer.zero_grad()
+        """
+        gs = self._gs
+        gs.micro_step += 1
+        gs.sync_gradients = gs.micro_step % gs.accumulation_steps == 0 or gs.at_loader_end
+        if gs.at_loader_end:
+            gs.micro_step = 0  # the next epoch starts a fresh accumulation group
+        with contextlib.ExitStack() as stack:
+            if not gs.sync_gradients:
+                for model in models:
+                    stack.enter_context(self._strategy.no_sync(model))
+            yield
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Skip gradient synchronisation for backward passes inside this context.
+
+        Example::
+
+            with accelerator.no_sync(model):
+                accelerator.backward(loss)   # gradients stay local until the next synced backward
+        """
+        return self._strategy.no_sync(model)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
+        """Force DDP to synchronise gradients in the next backward, even inside ``no_sync``.
+
+        Example::
+
+            with accelerator.no_sync(model):
+                ...
+                with accelerator.trigger_sync_in_backward(model):
+                    accelerator.backward(last_loss)
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        old = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = old
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divide fp16 gradients by the loss scale (before inspecting or clipping them).
+
+        Example::
+
+            accelerator.backward(loss)
+            accelerator.unscale_gradients()
+            print(model.weight.grad.norm())   # the true gradient, not the scaled one
+        """
+        if optimizer is None:
+            optimizers = self._optimizers
+        else:
+            optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for opt in optimizers:
+            self._precision.unscale_(getattr(opt, "optimizer", opt))
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware).
+
+        Example::
+
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            optimizer.step()
+        """
+        if not self._gs.sync_gradients:
+            return None  # gradients are partial mid-accumulation; clip once they are complete
+        self.unscale_gradients()
+        return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16).
+
+        Example::
+
+            accelerator.clip_grad_value_(model.parameters(), clip_value=0.5)
+        """
+        if self._gs.sync_gradients:
+            self.unscale_gradients()
+            torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
+        """``torch.profiler.profile`` configured by a ProfileKwargs; with ``output_trace_dir``
+        each rank writes ``trace_rank<i>.json`` (Chrome trace) when the block ends.
+
+        Example::
+
+            with accelerator.profile(ProfileKwargs(activities=["cpu"])) as prof:
+                train_step()
+            print(prof.key_averages().table(row_limit=5))
+        """
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        names = handler.activities or ["cpu"] + (["cuda"] if self.device.type == "cuda" else [])
+        kinds = torch.profiler.ProfilerActivity
+        activities = [getattr(kinds, name.upper()) for name in names]
+        schedule = (
+            torch.profiler.schedule(**handler.schedule_option) if handler.schedule_option else None
+        )
+        with torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=handler.on_trace_ready,
+            record_shapes=handler.record_shapes,
+            profile_memory=handler.profile_memory,
+            with_stack=handler.with_stack,
+            with_flops=handler.with_flops,
+            with_modules=handler.with_modules,
+        ) as profiler:
+            yield profiler
+        if handler.output_trace_dir is not None:
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+            name = f"trace_rank{self.process_index}.json"
+            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
+            self.wait_for_everyone()
+
+    def free_memory(self, *objects: Any) -> Any:
+        """Forget everything prepared (to start over, e.g. with a smaller batch) and free memory;
+        returns ``objects`` as Nones for ``model, opt = accelerator.free_memory(model, opt)``.
+
+        Example::
+
+            model, optimizer = accelerator.free_memory(model, optimizer)
+        """
+        objects = release_memory(*objects)
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self.step = 0
+        return objects
+
+    def clear(self, *objects: Any) -> Any:
+        """Alias of :meth:`free_memory` (Accelerate's name too)."""
+        return self.free_memory(*objects)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """A loader that skips the first ``num_batches`` batches of every epoch it runs (to
+        resume mid-epoch: use it for the interrupted epoch, the original one afterwards).
+
+        Example::
+
+            accelerator.load_state(ckpt)
+            active = accelerator.skip_first_batches(train_dl, batches_done_in_this_epoch)
+        """
+        return data.skip_first_batches(dataloader, num_batches)

@@ -1,0 +1,114 @@
+"""Accelerate's ``PartialState`` and ``AcceleratorState``: where this process stands, for code
+that asks without holding the Accelerator (data helpers, logging, ``split_between_processes``).
+
+``PartialState()`` reads the launch (and starts the process group) once per process; later
+calls share it. ``AcceleratorState()`` adds what the latest :class:`~nbaccel.Accelerator` runs
+(mixed precision, strategy); ``accelerator.state`` is one.
+
+>>> state = PartialState(cpu=True)
+>>> (state.process_index, state.num_processes, state.distributed_type.value)
+(0, 1, 'NO')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from nbaccel.training.accelerator_processes import ProcessControl
+from nbaccel.training.state import DistributedType, GradientState, ProcessState, detect_state
+
+# What every PartialState/AcceleratorState of this process reads (Accelerate shares it too).
+_SHARED: dict[str, Any] = {}
+
+
+class PartialState(ProcessControl):
+    """Rank, world, device and backend of this process, plus the process-control methods
+    (``wait_for_everyone``, ``main_process_first``, ``split_between_processes``, ``print``...).
+
+    Example::
+
+        state = PartialState()
+        with state.split_between_processes(prompts) as mine:
+            results = [generate(p) for p in mine]
+    """
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        current = _SHARED.get("process")
+        if current is None or (cpu and current.device.type != "cpu"):
+            current = _SHARED["process"] = detect_state(cpu=cpu)
+        self._process = current
+        self._gs = GradientState()
+
+    @classmethod
+    def _from(cls, process: ProcessState, **extra: Any) -> PartialState:
+        """The state an Accelerator made; it becomes what later ``PartialState()`` calls see."""
+        _SHARED["process"] = process
+        _SHARED.update(extra)
+        return cls()
+
+    # ProcessState's facts, read by the strategies and loaders as well.
+    device = property(lambda self: self._process.device, doc="This process's device.")
+    process_index = property(lambda self: self._process.process_index, doc="Global rank.")
+    local_process_index = property(lambda self: self._process.local_process_index)
+    num_processes = property(lambda self: self._process.num_processes, doc="World size.")
+    local_num_processes = property(lambda self: self._process.local_num_processes)
+    backend = property(lambda self: self._process.backend, doc="'gloo', 'nccl' or None.")
+    distributed = property(lambda self: self._process.distributed)
+    use_distributed = property(lambda self: self._process.distributed)
+    is_main_process = property(lambda self: self._process.is_main_process)
+    is_local_main_process = property(lambda self: self._process.is_local_main_process)
+    initialized = property(lambda self: True)
+    debug = property(lambda self: False)
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def state(self) -> PartialState:
+        return self  # ProcessControl's methods read ``self.state``
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """NO, MULTI_CPU or MULTI_GPU (``AcceleratorState`` also knows FSDP)."""
+        if not self.distributed:
+            return DistributedType.NO
+        return (
+            DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        )
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Tear the process group down (the launcher also does it when the function returns)."""
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def __repr__(self) -> str:
+        return (
+            f"Distributed environment: {self.distributed_type.value}\nNum processes: "
+            f"{self.num_processes}\nProcess index: {self.process_index}\nDevice: {self.device}\n"
+        )
+
+
+class AcceleratorState(PartialState):
+    """PartialState plus the latest Accelerator's settings: mixed precision and strategy.
+
+    Example::
+
+        if AcceleratorState().mixed_precision == "fp16": ...
+    """
+
+    mixed_precision = property(lambda self: _SHARED.get("mixed_precision", "no"))
+    strategy = property(lambda self: _SHARED.get("strategy", "ddp"))
+    fsdp_plugin = property(lambda self: _SHARED.get("fsdp_plugin"))
+    deepspeed_plugin = property(lambda self: None)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        if self.distributed and self.strategy == "fsdp":
+            return DistributedType.FSDP
+        return super().distributed_type
+
+    def __repr__(self) -> str:
+        return super().__repr__() + f"Mixed precision type: {self.mixed_precision}\n"

@@ -1,0 +1,79 @@
+"""The names a training loop imports from ``accelerate.utils``, at ``nbaccel.utils``.
+
+``from accelerate.utils import ProjectConfiguration, set_seed`` becomes
+``from nbaccel.utils import ProjectConfiguration, set_seed``. Training-side only (rank code):
+importing it never loads the kernel side. Names load on first use.
+
+May import: core, rank, training (it re-exports training's names).
+
+>>> from nbaccel.utils import ProjectConfiguration, gather
+>>> ProjectConfiguration("runs/a").logging_dir
+'runs/a'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_T = "nbaccel.training."
+_LAZY = {
+    **dict.fromkeys(
+        [
+            "AutocastKwargs",
+            "DataLoaderConfiguration",
+            "DDPCommunicationHookType",
+            "DistributedDataParallelKwargs",
+            "GradientAccumulationPlugin",
+            "GradScalerKwargs",
+            "InitProcessGroupKwargs",
+            "KwargsHandler",
+            "LoggerType",
+            "PrecisionType",
+            "ProfileKwargs",
+            "ProjectConfiguration",
+            "RNGType",
+        ],
+        _T + "options",
+    ),
+    **dict.fromkeys(
+        [
+            "broadcast",
+            "broadcast_object_list",
+            "gather",
+            "gather_object",
+            "pad_across_processes",
+            "recursively_apply",
+            "reduce",
+            "send_to_device",
+        ],
+        _T + "ops",
+    ),
+    **dict.fromkeys(
+        ["find_executable_batch_size", "release_memory", "should_reduce_batch_size"],
+        _T + "memory",
+    ),
+    **dict.fromkeys(["set_seed", "synchronize_rng_states"], _T + "random"),
+    **dict.fromkeys(["load_checkpoint_in_model"], _T + "model_files"),
+    **dict.fromkeys(["skip_first_batches"], _T + "data"),
+    **dict.fromkeys(["FullyShardedDataParallelPlugin"], _T + "fsdp_plugin"),
+    **dict.fromkeys(["DistributedType"], _T + "state"),
+    **dict.fromkeys(["PartialState", "AcceleratorState"], _T + "shared_state"),
+    **dict.fromkeys(["GeneralTracker", "filter_trackers"], _T + "trackers"),
+    **dict.fromkeys(["extract_model_from_parallel", "wait_for_everyone"], _T + "utils_extra"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'nbaccel.utils' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
