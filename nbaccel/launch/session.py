@@ -19,10 +19,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import pickle
-import selectors
 import shutil
 import socket
 import tempfile
@@ -32,33 +30,18 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nbaccel.core import pickling
-from nbaccel.core.config import LaunchConfig
 from nbaccel.core.errors import RankFailedError
 from nbaccel.core.launch_state import LaunchState, RankState
-from nbaccel.core.session_messages import Command, Done, Hello
+from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.forkserver import ensure_server
 from nbaccel.launch.group import RankGroup
-from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
+from nbaccel.launch.plan import UNSET, LaunchPlan
 from nbaccel.launch.relay import STOP_GRACE, Relay, load_payload
 from nbaccel.launch.session_cell import CellError, RanksBrokenError, reset_state, run_command
+from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.launch.session_status import StatusTable, rank_rows
-from nbaccel.rank.session_entry import serve
 from nbaccel.ui import View, choose_view
 from nbaccel.ui.text import TextView
-
-START_TIMEOUT = 120.0  # s for every rank to connect its command socket
-SETUP_CODE = "import torch\nimport torch.distributed as dist\nimport nbaccel\naccelerator = nbaccel.Accelerator()\n"
-
-
-class CellTextView(TextView):
-    """The text view for one cell: ``[rankN]`` lines only, no launch banner or summary."""
-
-    def start(self, state: LaunchState) -> None:
-        self._state = state
-        self._last_progress = time.monotonic()
-
-    def finish(self) -> None:
-        self._flush()
 
 
 class Ranks:
@@ -97,7 +80,7 @@ class Ranks:
         )
         self.timeout = timeout
         self.progress = progress
-        self.names: dict[str, str] = {}  # name -> type name on the ranks, for Tab completion
+        self._names: dict[int, dict[str, str]] = {}  # rank -> its names' types, after each cell
         self.running: tuple[str, float] | None = None  # (first line of the cell, started at)
         self.broken: str | None = None
         self._plan: LaunchPlan | None = None
@@ -117,6 +100,14 @@ class Ranks:
         return self._group is not None
 
     @property
+    def names(self) -> dict[str, str]:
+        """Name -> type name of what the ranks define (as of each rank's last command), for Tab."""
+        merged: dict[str, str] = {}
+        for names in self._names.values():
+            merged.update(names)
+        return merged
+
+    @property
     def world_size(self) -> int:
         return len(self._plan.specs) if self._plan else 0
 
@@ -132,14 +123,14 @@ class Ranks:
                 f"{self.world_size} ranks are already running (pids {self.pids}); call stop() "
                 "(`%ranks stop`) first, or restart() (`%ranks restart`)."
             )
-        self.broken, self.names, self._cell = None, {}, 0
+        self.broken, self._names, self._cell = None, {}, 0
         self._tmpdir = tempfile.mkdtemp(prefix="nbaccel-ranks-")
         address = os.path.join(self._tmpdir, "commands")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             server.bind(address)
             server.listen()
-            self._plan = self._make_plan(address)
+            self._plan = session_plan(self.options, address)
             if self._plan.info.start_method == "forkserver":
                 ensure_server()
             state = LaunchState(
@@ -149,7 +140,7 @@ class Ranks:
             self._group.start()
             self._relay = Relay(self._group, state, CellTextView(), None)
             self._relay._register()
-            self._accept(server)
+            self._connections = accept_ranks(server, self._relay)
             self._set_up()
         except BaseException:
             self._shutdown(grace=0)
@@ -173,62 +164,6 @@ class Ranks:
                 original=exc.original,
                 other_failures=exc.other_failures,
             ) from None
-
-    def _make_plan(self, address: str) -> LaunchPlan:
-        o = self.options
-        config = LaunchConfig.load_default() or LaunchConfig()
-        if o["strategy"] is not None:
-            config = dataclasses.replace(config, strategy=o["strategy"])
-        env = dict(o["env"] or {})
-        nprocs = o["num_processes"]
-        if o["gpus"] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in o["gpus"])
-            nprocs = len(o["gpus"]) if nprocs in (UNSET, None) else nprocs
-        return resolve_plan(
-            serve,
-            (address,),
-            {},
-            config=config,
-            num_processes=nprocs,
-            mixed_precision=o["mixed_precision"],
-            start_method=o["start_method"],
-            use_port="auto",
-            master_addr="127.0.0.1",
-            node_rank=0,
-            num_nodes=1,
-            timeout=None,
-            env=env,
-            return_all=False,
-        )
-
-    def _accept(self, server: socket.socket) -> None:
-        """Take each rank's command connection, watching for a rank that dies first."""
-        selector = selectors.DefaultSelector()
-        selector.register(server, selectors.EVENT_READ, None)
-        for r in self._group.ranks:
-            selector.register(r.sentinel, selectors.EVENT_READ, r)
-        deadline = time.monotonic() + START_TIMEOUT
-        try:
-            while len(self._connections) < self.world_size:
-                if time.monotonic() > deadline:
-                    raise RanksBrokenError(f"the ranks did not connect within {START_TIMEOUT:g} s")
-                for key, _ in selector.select(0.5):
-                    if key.data is not None:
-                        self._relay._drain(key.data)
-                        diag = self._relay.state.ranks[key.data.rank].diag.strip()
-                        raise RanksBrokenError(f"rank {key.data.rank} exited while starting", diag)
-                    sock, _ = server.accept()
-                    conn = Connection(sock.detach())
-                    if not conn.poll(30):
-                        raise RanksBrokenError("a rank connected but did not say which it is")
-                    hello: Hello = pickle.loads(conn.recv_bytes())
-                    self._connections[hello.rank] = conn
-                    r = next(p for p in self._group.ranks if p.rank == hello.rank)
-                    self._relay._selector.register(
-                        conn.fileno(), selectors.EVENT_READ, (r, "reply")
-                    )
-        finally:
-            selector.close()
 
     def stop(self) -> None:
         """Stop every rank (each leaves its command loop; stragglers get SIGTERM, then SIGKILL)."""
@@ -373,7 +308,7 @@ class Ranks:
         return [done[r] for r in selected]
 
     def _note(self, done: Done) -> None:
-        self.names.update(done.names)
+        self._names[done.rank] = done.names
         self._devices[done.rank] = (done.device, done.gpu_memory)
 
     def _select(self, ranks: Sequence[int] | None) -> list[int]:
