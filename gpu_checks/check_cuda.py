@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import nbaccel  # noqa: E402
+from gpu_checks.check_fsdp_cuda import check_fsdp  # noqa: E402
 from tests.test_accelerator_training import train_linear, train_mixed  # noqa: E402
 
 
@@ -117,6 +118,7 @@ def main() -> int:
         ("bf16", lambda: check_autocast("bf16")),
         ("fp16", lambda: check_autocast("fp16")),
         ("fp8", check_fp8),
+        ("fsdp", check_fsdp),  # gpu_checks/check_fsdp_cuda.py: offload, bf16, rank-0 loading
     ]
     failed = 0
     for name, check in checks:

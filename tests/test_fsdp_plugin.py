@@ -45,10 +45,10 @@ class Net(torch.nn.Sequential):
         super().__init__(torch.nn.Linear(4, 8), Block(), Block(), torch.nn.Linear(8, 1))
 
 
-def _batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int = 0, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(16, 4, generator=g)
-    return x, x.sum(dim=1, keepdim=True).sin()
+    return x.to(device), x.sum(dim=1, keepdim=True).sin().to(device)
 
 
 def _full(acc, model) -> dict[str, torch.Tensor]:
@@ -211,7 +211,7 @@ def _build(plugin: Plugin, seed: int = 0, meta: bool = False):
 
 
 def _step(acc, model, opt, step: int) -> float:
-    x, y = _batch(step)
+    x, y = _batch(step, acc.device)
     loss = torch.nn.functional.mse_loss(model(x), y)
     acc.backward(loss)
     opt.step()
@@ -271,7 +271,7 @@ def wrapping_and_loading() -> dict:
     loading = Plugin(**transformer, cpu_ram_efficient_loading=True)
     acc, model, opt = _build(loading, seed=0, meta=rank == 1)
     out["ram_efficient"] = _full(acc, model)
-    out["ram_efficient_gain"] = [m.gain.clone() for m in model.modules() if isinstance(m, Block)]
+    out["ram_efficient_gain"] = [m.gain.cpu() for m in model.modules() if isinstance(m, Block)]
     out["ram_efficient_loss"] = [_step(acc, model, opt, s) for s in range(3)]
     # sync_module_states: every rank built different weights; rank 0's win.
     acc, model, _ = _build(Plugin(sync_module_states=True), seed=rank + 5)
@@ -323,14 +323,15 @@ def numerics() -> dict:
         for s in range(5):
             losses.append(_step(acc, model, opt, s))
             devices |= {p.device.type for p in model.parameters()}
-            devices |= {t.device.type for st in opt.state.values() for t in st.values()}
+            # (AdamW keeps its 0-d step counters on the CPU whatever the device)
+            devices |= {t.device.type for st in opt.state.values() for t in st.values() if t.dim()}
         out[f"offload_{offload}"] = {"losses": losses, "devices": sorted(devices)}
         out[f"offload_{offload}_state"] = _full(acc, model)
 
     for checkpointing in (False, True):
         acc, model, _ = _build(Plugin(**blocks, activation_checkpointing=checkpointing))
         Block.calls = 0
-        x, y = _batch(0)
+        x, y = _batch(0, acc.device)
         acc.backward(torch.nn.functional.mse_loss(model(x), y))
         out[f"ac_{checkpointing}_calls"] = Block.calls
         grads = {}
@@ -343,7 +344,7 @@ def numerics() -> dict:
     out["bf16_losses"] = [_step(acc, model, opt, s) for s in range(5)]
     # Between steps (after backward resharded them) the parameters the optimizer sees are fp32.
     out["bf16_master"] = sorted({str(p.dtype) for p in model.parameters()})
-    out["bf16_output"] = str(model(_batch(0)[0]).dtype)
+    out["bf16_output"] = str(model(_batch(0, acc.device)[0]).dtype)
     return out
 
 
