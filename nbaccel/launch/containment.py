@@ -105,6 +105,8 @@ def describe(process: psutil.Process) -> str:
     """A process's command line for a person (``sleep 1000``), or its name."""
     try:
         cmd = " ".join(process.cmdline()) or process.name()
+        if "multiprocessing.forkserver import main" in cmd:  # a fork of a rank, no exec
+            return f"{process.name()}, forked from a rank"
     except psutil.Error:
         return "?"
     return cmd if len(cmd) <= 80 else cmd[:77] + "..."

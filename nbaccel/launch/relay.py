@@ -69,10 +69,11 @@ class Relay:
                 if self.group.alive():
                     self.group.stop(grace=0)
                 self.group.reap()
+                failure = self._first_failure() if self._failures else None  # before the summary
                 self._finish()
                 self._warn_leftovers()
-        if self._failures:
-            raise self._first_failure()
+        if failure is not None:
+            raise failure
         return self.payloads
 
     def _register(self) -> None:
@@ -232,6 +233,11 @@ class Relay:
         )
         first.cause = root_cause.cause(first_rank, first, self._ended)
         first.args = (first._message(),)
+        if first.cause:
+            state = self.state.ranks[first_rank]
+            state.error_line = root_cause.cut(
+                f"{first.cause.split(' while ')[0]}: {state.error_line}"
+            )
         return first
 
     def _warn_leftovers(self) -> None:

@@ -1,0 +1,196 @@
+"""A launch owns every process it causes: checked by pid, system-wide, from a plain process.
+
+Ranks start subprocesses, multiprocessing children and DataLoader workers and record their pids
+(with start times, so a reused pid is never mistaken for one of them); afterwards none of them
+may be running anywhere on the machine, whoever they were re-parented to. Also here: root cause
+first when a rank's peer left a collective, and an unpicklable return value named as such.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import psutil
+import pytest
+
+import nbaccel
+from nbaccel import RankFailedError
+from nbaccel.launch.containment import LeftoverProcessesWarning
+
+pytestmark = pytest.mark.slow  # real ranks
+
+
+def record(directory: str, pid: int) -> None:
+    """Write ``pid`` and its start time where the test will look for it."""
+    created = psutil.Process(pid).create_time()
+    Path(directory, f"{pid}.pid").write_text(repr(created))
+
+
+def running(directory: Path) -> list[tuple[int, str]]:
+    """The recorded processes that still run (same pid and start time), anywhere."""
+    alive = []
+    for f in directory.glob("*.pid"):
+        pid, created = int(f.stem), float(f.read_text())
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 0.01 and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append((pid, " ".join(p.cmdline())))
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def wait_until_none_running(directory: Path, timeout: float = 5.0) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + timeout
+    while (left := running(directory)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _stubborn_child(directory):
+    """A non-daemon multiprocessing child that ignores SIGTERM (so SIGKILL is needed)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record(directory, os.getpid())
+    time.sleep(1000)
+
+
+def start_everything(directory):
+    """What a training function might leave behind: one of each kind of descendant."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    sleeper = subprocess.Popen(["sleep", "1000"])
+    record(directory, sleeper.pid)
+    detached = subprocess.Popen(["sleep", "1001"], start_new_session=True)
+    record(directory, detached.pid)
+    child = multiprocessing.Process(target=_stubborn_child, args=(directory,))  # non-daemon
+    child.start()
+    loader = DataLoader(
+        list(range(8)),
+        num_workers=2,
+        collate_fn=lambda b: torch.tensor(b),
+        worker_init_fn=lambda _: record(directory, os.getpid()),
+    )
+    iterator = iter(loader)
+    next(iterator)
+    start_everything.keep = iterator  # the workers stay alive after the function returns
+    while len(list(Path(directory).glob("*.pid"))) < 5:
+        time.sleep(0.01)
+    return int(os.environ["RANK"])
+
+
+def start_everything_then(directory, how):
+    start_everything(directory)
+    if how == "raise":
+        raise ValueError("gives up")
+    if how == "kill" and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1000)
+
+
+def test_processes_left_by_returning_ranks_are_stopped_and_named_once(tmp_path):
+    """Success: the cell finishes (a non-daemon mp child does not hang it), one warning line
+    names every process, and none runs afterwards."""
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = nbaccel.notebook_launcher(
+            start_everything, args=(str(tmp_path),), num_processes=2, return_all=True
+        )
+    assert result == [0, 1]
+    assert time.monotonic() - started < 60
+    assert wait_until_none_running(tmp_path) == []
+    lines = [str(w.message) for w in caught if issubclass(w.category, LeftoverProcessesWarning)]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].count("pid ") == 10  # 5 processes on each of 2 ranks
+    assert "sleep 1000" in lines[0] and "forked from the rank" in lines[0]
+
+
+@pytest.mark.parametrize("how", ["raise", "kill", "timeout"])
+def test_processes_of_failed_killed_or_timed_out_ranks_are_stopped(tmp_path, how):
+    expected = TimeoutError if how == "timeout" else RankFailedError
+    with pytest.raises(expected), warnings.catch_warnings():
+        warnings.simplefilter("ignore", LeftoverProcessesWarning)
+        nbaccel.notebook_launcher(
+            start_everything_then,
+            args=(str(tmp_path), how),
+            num_processes=2,
+            timeout=10 if how == "timeout" else None,
+        )
+    assert len(list(tmp_path.glob("*.pid"))) >= 5
+    assert wait_until_none_running(tmp_path) == []
+
+
+SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+import nbaccel
+from tests.test_containment import start_everything_then
+
+if __name__ == "__main__":
+    nbaccel.notebook_launcher(start_everything_then, args=({d!r}, "wait"), num_processes=2)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_launching_script_killed_takes_every_descendant_with_it(tmp_path, sig):
+    """The launching process dies (kernel SIGKILLed, script SIGTERMed): the fork server kills
+    the ranks and everything they started, wherever it re-parented."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    script = tmp_path / "launch.py"
+    script.write_text(SCRIPT.format(root=os.getcwd(), d=str(pids)))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Its own session, as a Jupyter kernel has: a killpg must not reach this test.
+    driver = subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(pids.glob("*.pid"))) < 10 and time.monotonic() < deadline:
+        assert driver.poll() is None, "the launching script ended early"
+        time.sleep(0.05)
+    for helper in psutil.Process(driver.pid).children():  # the fork server must go too
+        record(str(pids), helper.pid)
+    os.killpg(driver.pid, sig)  # the whole group, as Jupyter does when it restarts a kernel
+    driver.wait(30)
+    assert wait_until_none_running(pids) == []
+
+
+# -- what the error says -------------------------------------------------------------------------
+
+
+def leave_rank_zero_in_a_barrier():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        sys.exit(0)
+    dist.barrier()  # rank 1 is gone: gloo says "Connection closed by peer"
+
+
+def test_a_rank_that_left_early_is_named_before_the_connection_error_it_caused():
+    with pytest.raises(RankFailedError) as info:
+        nbaccel.notebook_launcher(leave_rank_zero_in_a_barrier, num_processes=2)
+    text = str(info.value)
+    first = text.splitlines()[0]
+    assert first.startswith("rank 1 exited (code 0) while rank 0 was still in a collective; "), text
+    assert "rank 0 (of 2) then raised" in first
+
+
+def return_a_generator():
+    return (i for i in range(3))
+
+
+def test_an_unpicklable_return_value_is_named_with_its_type_and_what_to_do():
+    with pytest.raises(RankFailedError) as info:
+        nbaccel.notebook_launcher(return_a_generator, num_processes=1)
+    text = str(info.value)
+    assert "rank 0 returned a builtins.generator that cannot be sent to the kernel" in text
+    assert "return_all" in text and "state_dict" in text
+    assert "cloudpickle" not in text  # no pickling frames, only what the user needs
