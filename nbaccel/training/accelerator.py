@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
@@ -149,8 +150,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[data.PreparedDataLoader] = []
         self._custom_objects: list[Any] = []
-        self._save_model_state_pre_hook: dict[int, Any] = {}
-        self._load_model_state_pre_hook: dict[int, Any] = {}
+        self._save_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
+        self._load_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
         self._init_tracking(opts.log_with)
 
     # -- where we run ---------------------------------------------------------------------

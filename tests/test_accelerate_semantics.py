@@ -1,0 +1,120 @@
+"""Where nbaccel used to differ from Accelerate, it now behaves the same. Each test body runs on
+2 real gloo ranks, once with ``nbaccel.Accelerator`` and once with ``accelerate.Accelerator``
+(the pinned test-only dependency), and both must give the expected answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import nbaccel
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow  # real 2-rank launches
+LIBS = ["nbaccel", "accelerate"]
+
+
+def _accelerator(lib: str, **kwargs):
+    import importlib
+
+    return importlib.import_module(lib).Accelerator(cpu=True, **kwargs)
+
+
+def loaders(lib: str):
+    """Batch-sampler loaders, a BatchSampler as sampler, a seeded generator, reduce max."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    acc = _accelerator(lib)
+    ten = TensorDataset(torch.arange(10))
+    out = {}
+    dl = acc.prepare(DataLoader(ten, batch_sampler=BatchSampler(SequentialSampler(ten), 4, False)))
+    out["sizes"] = [len(x) for (x,) in dl]
+    out["metrics"] = torch.cat([acc.gather_for_metrics(x) for (x,) in dl]).tolist()
+    as_sampler = DataLoader(
+        ten, sampler=BatchSampler(SequentialSampler(ten), 4, False), batch_size=None
+    )
+    dl = acc.prepare(as_sampler)
+    out["sampler_sizes"] = [len(x) for (x,) in dl]
+    out["sampler_metrics"] = torch.cat([acc.gather_for_metrics(x) for (x,) in dl]).tolist()
+    g = torch.Generator().manual_seed(3)
+    dl = acc.prepare(
+        DataLoader(TensorDataset(torch.arange(16)), batch_size=8, shuffle=True, generator=g)
+    )
+    out["epochs"] = [[acc.gather(x).tolist() for (x,) in dl] for _ in range(2)]
+    out["max"] = acc.reduce(torch.tensor([1.0 + acc.process_index, 5.0 - acc.process_index]), "max")
+    out["sum"] = acc.reduce(torch.tensor(1.0 + acc.process_index), "sum")
+    return out
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_loaders_and_reduce_behave_like_accelerate(lib):
+    out = nbaccel.notebook_launcher(loaders, args=(lib,), num_processes=2, progress=False)
+    # Every rank gets as many batches of the same size; the duplicates are dropped again.
+    assert out["sizes"] == [4, 4]
+    assert out["metrics"] == list(range(10))
+    assert out["sampler_sizes"] == [4, 4]
+    assert out["sampler_metrics"] == list(range(10))
+    # 2 ranks x 8 == 1 process x 16 with the same seeded generator, epoch after epoch.
+    g = torch.Generator().manual_seed(3)
+    plain = DataLoader(TensorDataset(torch.arange(16)), batch_size=16, shuffle=True, generator=g)
+    assert out["epochs"] == [[x.tolist() for (x,) in plain] for _ in range(2)]
+    assert out["max"].tolist() == [2.0, 5.0]
+    assert out["sum"].item() == 3.0
+
+
+def control(lib: str, folder: str):
+    """set_trigger on one rank, on_* decorators, gather_for_metrics of objects, even_batches
+    off, split_batches, step_scheduler_with_optimizer=False, skip_first_batches."""
+    import importlib
+
+    mod = importlib.import_module(lib)
+    utils = importlib.import_module(f"{lib}.utils")
+    acc = _accelerator(lib, step_scheduler_with_optimizer=False)
+    out = {"before": acc.check_trigger()}
+    if acc.process_index == 1:
+        acc.set_trigger()
+    out["after"] = acc.check_trigger()
+    out["again"] = acc.check_trigger()
+    out["last"] = acc.on_last_process(lambda: acc.process_index)()
+    out["on1"] = acc.on_process(process_index=1)(lambda: "one")()
+    out["local_main"] = acc.on_local_main_process(lambda: "main")()
+    words = [f"w{i}" for i in range(5)]
+    dl = acc.prepare(DataLoader(words, batch_size=2))
+    out["objects"] = [
+        w for batch in dl for w in acc.gather_for_metrics(batch, use_gather_object=True)
+    ]
+    uneven = utils.DataLoaderConfiguration(even_batches=False)
+    acc2 = mod.Accelerator(cpu=True, dataloader_config=uneven)
+    dl = acc2.prepare(DataLoader(TensorDataset(torch.arange(5)), batch_size=2))
+    out["uneven"] = [x.tolist() for (x,) in dl]
+    split = utils.DataLoaderConfiguration(split_batches=True)
+    acc3 = mod.Accelerator(cpu=True, dataloader_config=split)
+    dl = acc3.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4))
+    out["split"] = [x.tolist() for (x,) in dl]
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    sched.step()
+    out["lr"] = sched.get_last_lr()[0]  # stepped once, not num_processes times
+    dl = acc.prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=2))
+    out["skipped"] = [x.tolist() for (x,) in acc.skip_first_batches(dl, 2)]
+    return out
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_process_control_behaves_like_accelerate(lib, tmp_path):
+    outs = nbaccel.notebook_launcher(
+        control, args=(lib, str(tmp_path)), num_processes=2, progress=False, return_all=True
+    )
+    for rank, out in enumerate(outs):
+        assert (out["before"], out["after"], out["again"]) == (False, True, False)
+        assert out["last"] == (1 if rank == 1 else None)
+        assert out["on1"] == ("one" if rank == 1 else None)
+        assert out["local_main"] == ("main" if rank == 0 else None)
+        assert out["objects"] == ["w0", "w1", "w2", "w3", "w4"]
+        assert out["lr"] == 0.5
+    assert outs[0]["uneven"] == [[0, 1], [4]] and outs[1]["uneven"] == [[2, 3]]
+    assert outs[0]["split"] == [[0, 1], [4, 5]] and outs[1]["split"] == [[2, 3], [6, 7]]
+    assert outs[0]["skipped"] == [[8, 9]] and outs[1]["skipped"] == [[10, 11]]
