@@ -31,13 +31,20 @@ from typing import Any
 
 from nbaccel.core import pickling
 from nbaccel.core.errors import RankFailedError
-from nbaccel.core.launch_state import LaunchState, RankState
+from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.forkserver import ensure_server
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import UNSET, LaunchPlan
 from nbaccel.launch.relay import STOP_GRACE, Relay, load_payload
-from nbaccel.launch.session_cell import CellError, RanksBrokenError, reset_state, run_command
+from nbaccel.launch.session_cell import (
+    CellError,
+    CellTimeoutError,
+    RanksBrokenError,
+    finish_state,
+    reset_state,
+    run_command,
+)
 from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.launch.session_status import StatusTable, rank_rows
 from nbaccel.ui import View, choose_view
@@ -295,14 +302,23 @@ class Ranks:
         relay.view = CellTextView() if command.cell == 1 else self._view()
         self.running = (_first_line(command), time.monotonic())
         relay.view.start(relay.state)
+        outcome = Outcome.FAILED
         try:
             done = run_command(relay, self._connections, command, selected, limit, notify)
+            outcome = Outcome.FINISHED
+        except CellTimeoutError:
+            outcome = Outcome.TIMED_OUT
+            raise
+        except KeyboardInterrupt:
+            outcome = Outcome.INTERRUPTED
+            raise
         except RanksBrokenError as exc:
             self.broken = exc.reason
             self._shutdown(grace=0)
             raise
         finally:
             self.running = None
+            finish_state(relay.state, outcome)
             with contextlib.suppress(Exception):
                 relay.view.finish()
         return [done[r] for r in selected]

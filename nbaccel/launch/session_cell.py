@@ -25,7 +25,7 @@ from typing import Any
 from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
-from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, LaunchState
+from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.core.session_messages import Blocked, Command, Done
 from nbaccel.launch.relay import Relay
 
@@ -152,7 +152,9 @@ class _Follow:
             state = self.relay.state.ranks[rank]
             state.ended_at = time.monotonic()
             state.status = FAILED if message.failure is not None else FINISHED
-            if message.failure is not None:
+            if message.interrupted:
+                state.status = STOPPED
+            elif message.failure is not None:
                 f = message.failure
                 state.error_line = describe_raise(f.exc_type, f.message).splitlines()[0][:200]
             self._drain_output(rank)
@@ -259,3 +261,12 @@ def reset_state(state: LaunchState, ranks: list[int]) -> None:
         s = state.ranks[rank]
         s.status, s.started_at, s.ended_at, s.error_line = RUNNING, now, None, None
         s.bars.clear()
+
+
+def finish_state(state: LaunchState, outcome: Outcome) -> None:
+    """End the cell in the state the views show: ranks that did not answer were stopped."""
+    now = time.monotonic()
+    state.outcome, state.ended_at = outcome, now
+    for s in state.ranks.values():
+        if s.status == RUNNING:
+            s.status, s.ended_at = STOPPED, now
