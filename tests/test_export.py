@@ -105,7 +105,8 @@ def test_refusals(tmp_path):
     with pytest.raises(ExportError, match="no notebook_launcher"):
         notebook_to_script(no_call)
     text = notebook_to_script(no_call, function="train")
-    assert "return train(*(), **{})" in text and "nbaccel.notebook_launcher(train)" in text
+    assert "return train(*(), **{})" in text
+    assert "nbaccel.notebook_launcher(train, **_nbaccel_flags())" in text
     ast.parse(text)
 
     twice = make_notebook(
@@ -162,3 +163,43 @@ def test_round_trip_same_final_loss(tmp_path):
     for rank in (0, 1):
         assert f"[rank{rank}] final loss {notebook_loss}" in launched.stdout.splitlines()
     assert not processes_mentioning(str(tmp_path / "train.py"))
+
+
+@pytest.mark.slow
+def test_skip_export_config_becomes_flags_and_plain_python_runs(tmp_path):
+    """The config panel's ``cfg`` lives in skip-export cells: the script says so, leaves it
+    out, takes --num_processes instead, and runs under plain ``python``."""
+    import subprocess
+    import sys
+
+    from tests.test_cli_support import cli_env
+
+    cells = [
+        nbformat.v4.new_code_cell("import nbaccel"),
+        nbformat.v4.new_code_cell(
+            "cfg = nbaccel.configure()\ncfg.num_processes = 2",
+            metadata={"tags": ["skip-export"]},
+        ),
+        nbformat.v4.new_code_cell(TRAIN),
+        nbformat.v4.new_code_cell(
+            "result = nbaccel.notebook_launcher(train, args=(5,), config=cfg)"
+        ),
+        nbformat.v4.new_code_cell('print(f"final loss {result:.6f}")'),
+    ]
+    nb = tmp_path / "panel.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), nb)
+    with pytest.warns(UserWarning, match="uses cfg, which only skip-export cells define"):
+        text = notebook_to_script(nb)
+    assert "# Not carried over: notebook_launcher(..., config=...) uses cfg" in text
+    assert "config=cfg" not in text and "--num_processes" in text
+    (tmp_path / "train.py").write_text(text)
+    ran = subprocess.run(
+        [sys.executable, "train.py", "--num_processes", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=cli_env(NBACCEL_CONFIG_FILE=str(tmp_path / "no-config.yaml")),
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "2 processes" in ran.stdout and "final loss" in ran.stdout

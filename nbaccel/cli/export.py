@@ -10,7 +10,10 @@ What the main guard does (the decision): under ``nbaccel launch`` or ``torchrun`
 ``WORLD_SIZE`` set) the process is already one rank, so it calls ``fn(*args, **kwargs)``
 directly; launching from inside a rank would start ranks of ranks. Under plain
 ``python train.py`` it keeps the notebook's ``notebook_launcher`` call, so the script behaves
-as the notebook did (same processes, rank 0's result). A variable the notebook assigned the
+as the notebook did (same processes, rank 0's result); ``--num_processes`` and
+``--mixed_precision`` flags stand in for a ``config=`` that only skip-export cells define (export
+warns about every such value it cannot carry over). Code after the call sits under
+``if __name__ == "__main__":`` so ranks that import the script do not run it. A variable the notebook assigned the
 result to is assigned in both cases; under torchrun each rank gets its own return value, and
 code after the call runs on every rank, as in any torchrun script.
 
@@ -23,9 +26,11 @@ Example::
 from __future__ import annotations
 
 import ast
+import builtins
 import os
 import re
 import textwrap
+import warnings
 from pathlib import Path
 
 from nbaccel.core.atomic import atomic_write
@@ -37,6 +42,10 @@ _MARKER = "by `nbaccel export`"
 _PYTHON_CELL_MAGICS = {"time", "timeit", "capture", "prun"}
 _ASSIGNED_ESCAPE = re.compile(r"^[\w.,\s\[\]()*]+=\s*[!%]")
 _HELP = re.compile(r"^(\?{1,2}[\w.]+|[\w.]+\?{1,2})\s*$")  # `obj?`, `obj??`, `?obj`
+
+
+class ExportWarning(UserWarning):
+    """Something the notebook relies on that the script cannot carry over; said, not fatal."""
 
 
 class ExportError(Exception):
@@ -113,24 +122,72 @@ def _call_parts(call: ast.Call, source: str) -> tuple[str, str, str]:
     return seg(fn), seg(args) if args is not None else "()", seg(kwargs) if kwargs else "{}"
 
 
-def main_guard(function: str, args: str, kwargs: str, launch_call: str, target: str) -> str:
-    """The code that replaces the launcher statement (see the module docstring)."""
+def main_guard(
+    function: str, args: str, kwargs: str, launch_call: str, target: str, flags: bool = True
+) -> str:
+    """The code that replaces the launcher statement (see the module docstring).
+
+    Under plain ``python`` the script takes ``--num_processes`` and ``--mixed_precision`` (the
+    settings a notebook's config panel would have given), passed on to ``notebook_launcher``
+    where given; without them the saved default config applies, as for ``nbaccel launch``.
+    """
     assign = f"{target} = " if target else ""
-    return textwrap.dedent(
-        f"""\
-        def _nbaccel_main():
+    if flags:
+        call = launch_call.rstrip()
+        assert call.endswith(")")
+        call = call[:-1].rstrip().rstrip(",")
+        call += (", " if not call.endswith("(") else "") + "**_nbaccel_flags())"
+        plain = f"return {call}"
+    else:
+        plain = f"return {launch_call}"
+    helper = textwrap.dedent(
+        """        def _nbaccel_flags():
+            # Launch settings for plain `python script.py`; the saved default config otherwise.
+            import argparse
+
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--num_processes", type=int)
+            parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16", "fp8"])
+            given = parser.parse_known_args()[0]
+            return {k: v for k, v in vars(given).items() if v is not None}
+
+
+        """
+    )
+    return (helper if flags else "") + textwrap.dedent(
+        f"""        def _nbaccel_main():
             import os
 
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 # Started by `nbaccel launch` or torchrun: this process is one rank.
                 return {function}(*{args}, **{kwargs})
             # Plain `python script.py`: start the ranks as the notebook did.
-            return {launch_call}
+            {plain}
 
 
         if __name__ == "__main__":
             {assign}_nbaccel_main()"""
     )
+
+
+def defined_names(trees: list[ast.Module]) -> set[str]:
+    """Names the exported cells bind at top level (assignments, defs, imports, loops...)."""
+    names = set(dir(builtins))
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return names
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def _read(notebook: Path):
@@ -190,11 +247,19 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
 
     script_name = path.with_suffix(".py").name
     parts = [HEADER.format(name=path.name, script=script_name)]
+    known = defined_names([tree for _, _, tree in cells])
+    notes: list[str] = []
+    launched = False
     for index, source, _tree in cells:
         launch = next((stmt for i, stmt in found if i == index), None)
         if launch is not None:
-            source = _rewrite(source, launch, function)
+            source, launched = _rewrite(source, launch, function, known, notes), True
+        elif launched and source.strip():
+            source = main_only(source)
         parts.append(f"\n# %% [cell {index}]\n{source.rstrip()}\n")
+    for note in notes:
+        warnings.warn(f"nbaccel export: {note}", ExportWarning, stacklevel=2)
+        parts.insert(1, f"# Not carried over: {note}\n")
     if not found:
         launch_call = f"nbaccel.notebook_launcher({function})"
         guard = main_guard(function, "()", "{}", launch_call, "")
@@ -202,13 +267,40 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
     return "".join(parts)
 
 
-def _rewrite(source: str, stmt: ast.stmt, function: str | None) -> str:
+def _rewrite(
+    source: str, stmt: ast.stmt, function: str | None, known: set[str], notes: list[str]
+) -> str:
     call = stmt.value
+    # A keyword whose value the script never defines (set in a skip-export cell, like the
+    # config panel's ``cfg``) cannot be carried over: leave it out and say so.
+    dropped = []
+    for kw in list(call.keywords):
+        missing = sorted(_free_names(kw.value) - known) if kw.arg else []
+        if missing:
+            call.keywords.remove(kw)
+            dropped.append(kw.arg)
+            what = (
+                "the saved default config (nbaccel config) and the script's --num_processes/"
+                "--mixed_precision flags apply instead"
+                if kw.arg == "config"
+                else f"the script calls notebook_launcher without {kw.arg}="
+            )
+            notes.append(
+                f"notebook_launcher(..., {kw.arg}=...) uses {', '.join(missing)}, which only "
+                f"skip-export cells define; {what}."
+            )
     fn, args, kwargs = _call_parts(call, source)
     if function and function != fn:
         raise ExportError(
             f"the notebook launches {fn}, not {function}; drop --function, or tag the "
             f"launcher cell '{SKIP_TAG}' to run {function} instead."
+        )
+    positional = [*call.args, *(k.value for k in call.keywords if k.arg in ("args", "kwargs"))]
+    missing = sorted(set().union(*(_free_names(n) for n in positional)) - known)
+    if missing:
+        notes.append(
+            f"the launched call uses {', '.join(missing)}, which only skip-export cells define; "
+            "the script stops with a NameError there. Move the definition to an exported cell."
         )
     if isinstance(stmt, ast.Assign):
         target = " = ".join(
@@ -218,11 +310,21 @@ def _rewrite(source: str, stmt: ast.stmt, function: str | None) -> str:
         target = ast.get_source_segment(source, stmt.target) or ast.unparse(stmt.target)
     else:
         target = ""
-    launch_call = ast.get_source_segment(source, call) or ast.unparse(call)
-    guard = main_guard(fn, args, kwargs, launch_call, target)
+    launch_call = ast.unparse(call) if dropped else ast.get_source_segment(source, call)
+    given = {k.arg for k in call.keywords}
+    flags = not {"num_processes", "mixed_precision", "config"} & given
+    guard = main_guard(fn, args, kwargs, launch_call or ast.unparse(call), target, flags)
     lines = source.splitlines()
     before, after = lines[: stmt.lineno - 1], lines[stmt.end_lineno :]
-    return "\n".join([*before, guard, *after])
+    rest = "\n".join(after)
+    return "\n".join([*before, guard, *([main_only(rest)] if rest.strip() else [])])
+
+
+def main_only(source: str) -> str:
+    """Code after the launch, run only by the launching process (and by every rank under
+    torchrun, where each rank is ``__main__``). Under plain ``python`` the ranks import the
+    script as ``__mp_main__`` and must not run it: the launch's result does not exist there."""
+    return 'if __name__ == "__main__":\n' + textwrap.indent(source, "    ")
 
 
 def export_notebook(
