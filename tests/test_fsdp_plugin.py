@@ -115,6 +115,17 @@ def test_plugin_takes_accelerate_spellings_and_launch_settings(monkeypatch):
     assert Plugin(state_dict_type="FULL_STATE_DICT", cpu_offload=False).offloads_to_cpu is False
 
 
+def test_plugin_takes_fsdp1_settings_as_accelerate_does():
+    from torch.distributed.fsdp import ShardingStrategy
+
+    assert Plugin(sharding_strategy="SHARD_GRAD_OP").reshard_after_forward is False
+    assert Plugin(sharding_strategy=ShardingStrategy.FULL_SHARD).reshard_after_forward is True
+    with pytest.raises(ValueError, match="strategy='ddp' for NO_SHARD"):
+        Plugin(sharding_strategy="NO_SHARD")
+    with pytest.warns(UserWarning, match="use_orig_params have no effect with FSDP2"):
+        Plugin(use_orig_params=True)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
@@ -242,6 +253,10 @@ def wrapping_and_loading() -> dict:
     for name, kwargs in policies.items():
         _, model, _ = _build(Plugin(**kwargs))
         out["units"][name] = _units(model)
+    # ignored_modules (a regex of module names): left whole, outside every shard.
+    acc, model, opt = _build(Plugin(ignored_modules=r"3"))
+    _step(acc, model, opt, 0)
+    out["ignored"] = {n: type(p.data).__name__ for n, p in model.named_parameters()}
 
     # Offload, resharding and precision reach every unit.
     _, model, _ = _build(
@@ -299,6 +314,7 @@ def test_wrap_policies_offload_and_rank0_loading_on_two_ranks():
     assert units["callable"] == ["", "0", "1.a", "1.b", "2.a", "2.b", "3"]
     assert units["fsdp1_partial"] == ["", "1", "2"]
     assert units["checkpointed"] == ["", "1", "2"]  # the checkpoint wrappers are the units
+    assert r0["ignored"]["3.weight"] == "Tensor" and r0["ignored"]["0.weight"] == "DTensor"
     # Every block unit offloads, computes in bf16 and keeps its parameters gathered after
     # forward as asked (reshard_after_forward=False).
     assert r0["unit_settings"] == [("CPUOffloadPolicy", True, "torch.bfloat16")]

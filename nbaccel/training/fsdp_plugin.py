@@ -24,6 +24,8 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -99,7 +101,15 @@ class FullyShardedDataParallelPlugin:
     mixed_precision_policy: dict[str, Any] | str | MixedPrecisionPolicy | None = None
     cpu_ram_efficient_loading: bool | None = None
     sync_module_states: bool | None = None
+    ignored_modules: list[torch.nn.Module] | str | None = None
     fsdp_version: int | None = None
+    # FSDP1 settings Accelerate still accepts: sharding_strategy maps onto reshard_after_forward,
+    # the others have no FSDP2 meaning and are ignored with a warning (as Accelerate does).
+    sharding_strategy: str | Any | None = None
+    backward_prefetch: Any = None
+    forward_prefetch: bool | None = None
+    use_orig_params: bool | None = None
+    limit_all_gathers: bool | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -136,6 +146,8 @@ class FullyShardedDataParallelPlugin:
         self.cpu_offload = offload
 
         reshard = self.reshard_after_forward
+        if reshard is None and self.sharding_strategy is not None:
+            reshard = _reshard_for(self.sharding_strategy)
         if reshard is None:
             reshard = _env("fsdp_reshard_after_forward") or True
         if isinstance(reshard, int) and not isinstance(reshard, bool) and reshard < 1:
@@ -157,6 +169,18 @@ class FullyShardedDataParallelPlugin:
         if self.cpu_ram_efficient_loading:
             self.sync_module_states = True  # as Accelerate: the others receive rank 0's weights
         self.mixed_precision_policy = self._mixed_precision(self.mixed_precision_policy)
+        if not (
+            self.ignored_modules is None or isinstance(self.ignored_modules, (str, list, tuple))
+        ):
+            raise ValueError("ignored_modules must be a list of modules or a regex of their names.")
+        obsolete = ("backward_prefetch", "forward_prefetch", "use_orig_params", "limit_all_gathers")
+        unused = [name for name in obsolete if getattr(self, name) not in (None, False)]
+        if unused:
+            warnings.warn(
+                f"FullyShardedDataParallelPlugin: {', '.join(unused)} have no effect with FSDP2 "
+                "(fully_shard) and are ignored.",
+                stacklevel=4,
+            )
 
     @staticmethod
     def _mixed_precision(value: Any) -> MixedPrecisionPolicy:
@@ -181,6 +205,22 @@ class FullyShardedDataParallelPlugin:
             f"mixed_precision_policy={value!r}: pass a dict of dtypes, 'bf16'/'fp16'/'fp32', or "
             "torch.distributed.fsdp.MixedPrecisionPolicy."
         )
+
+    def ignored_params(self, model: torch.nn.Module) -> set[torch.nn.Parameter] | None:
+        """Parameters of ``ignored_modules`` (modules, or a regex matched against module names):
+        FSDP leaves them whole on every rank and does not synchronise their gradients.
+
+        Example::
+
+            FullyShardedDataParallelPlugin(ignored_modules=r"head").ignored_params(model)
+        """
+        ignored = self.ignored_modules
+        if ignored is None:
+            return None
+        if isinstance(ignored, str):
+            pattern = re.compile(ignored)
+            ignored = [m for name, m in model.named_modules() if pattern.fullmatch(name)]
+        return {p for m in ignored for p in m.parameters()}
 
     @property
     def offloads_to_cpu(self) -> bool:
@@ -213,6 +253,19 @@ class FullyShardedDataParallelPlugin:
                 )
             return _by_class(model, names)
         return None
+
+
+def _reshard_for(strategy: Any) -> bool:
+    """FSDP1's ``sharding_strategy`` in FSDP2 terms (FULL_SHARD: reshard after forward)."""
+    name = str(getattr(strategy, "name", strategy)).upper()
+    if name in ("FULL_SHARD", "1"):
+        return True
+    if name in ("SHARD_GRAD_OP", "2"):
+        return False
+    raise ValueError(
+        f"sharding_strategy={strategy!r} has no FSDP2 equivalent here; use FULL_SHARD or "
+        "SHARD_GRAD_OP (or reshard_after_forward=True/False), or strategy='ddp' for NO_SHARD."
+    )
 
 
 def _by_class(model: torch.nn.Module, names: list[str]) -> Callable[[torch.nn.Module], bool]:

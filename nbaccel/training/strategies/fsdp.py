@@ -92,6 +92,7 @@ class FSDPStrategy(Strategy):
             "reshard_after_forward": plugin.reshard_after_forward,
             "mp_policy": plugin.mixed_precision_policy,
             "offload_policy": self._offload_policy(),
+            "ignored_params": plugin.ignored_params(module),
         }
         for block in blocks:
             if not isinstance(block, FSDPModule):
