@@ -2,7 +2,7 @@
 
     .venv/bin/python gpu_checks/check_fsdp_cuda.py
 
-On CPU the tests in tests/test_fsdp_plugin.py cover the logic, but there "CPU offload" cannot
+On CPU the tests in tests/test_fsdp_training.py cover the logic, but there "CPU offload" cannot
 move anything (compute is on the CPU too) and pinned memory is off. Here, with 2 GPUs (one rank
 each, NCCL): offloaded parameters and optimizer state sit on the CPU between steps while compute
 runs on the GPU, and training follows the non-offloaded losses; activation checkpointing gives
@@ -25,7 +25,7 @@ import nbaccel  # noqa: E402
 
 
 def _offload_and_rank0_loading() -> dict:
-    from tests.test_fsdp_plugin import Plugin, _build, _full, _step
+    from tests.test_fsdp_training import Plugin, _build, _full, _step
 
     rank = int(os.environ["RANK"])
     plugin = Plugin(
@@ -43,7 +43,7 @@ def check_fsdp() -> str:
     """FSDP2 over NCCL: CPU offload, checkpointing, bf16 policy, rank-0 loading, sharded resume."""
     import tempfile
 
-    from tests.test_fsdp_plugin import _weights, numerics, resume
+    from tests.test_fsdp_training import _weights, numerics, resume
 
     n = torch.cuda.device_count()
     if n < 2:
