@@ -65,6 +65,19 @@ def test_state_lives_across_cells_and_output_is_labelled(ranks):
     assert cell.stdout.strip() == "[rank1] Out: 10"
 
 
+def test_mistakes_are_explained(ranks):
+    def said(code: str) -> str:  # IPython shows a UsageError on stderr, without a traceback
+        cell = ranks.execute(code)
+        assert cell.reply["status"] == "error"
+        return cell.stderr + cell.error_text
+
+    text = said("%ranks start -n 2")
+    assert "already running" in text and "%ranks restart" in text
+    assert "%ranks start -n N" in said("%ranks launch")
+    assert "no rank [5]: the ranks are [0, 1]" in said("%%ranks --rank 5\n1")
+    assert "not_defined_here" in said("%ranks push not_defined_here")
+
+
 def test_all_reduce_and_pull_push_round_trip(ranks):
     cell = ranks.execute(
         "%%ranks\nt = torch.ones(3) * (accelerator.process_index + 1)\ndist.all_reduce(t)"

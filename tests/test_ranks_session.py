@@ -81,10 +81,10 @@ def test_an_error_names_the_rank_and_keeps_the_state(ranks):
 
 @pytest.mark.slow
 def test_killed_rank_breaks_the_group_and_stop_leaves_nothing():
-    ranks = nbaccel.Ranks(num_processes=2, progress=False)
+    ranks = nbaccel.Ranks(num_processes=2, mixed_precision="bf16", progress=False)
     pids = ranks.pids
     try:
-        ranks.run("import time")
+        assert ranks.run("import time\naccelerator.mixed_precision") == ["bf16", "bf16"]
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(RanksBrokenError, match="rank 1 was killed by signal SIGKILL"):
             ranks.run("time.sleep(20)")

@@ -20,6 +20,12 @@ from typing import Any
 KINDS = ("run", "call", "push", "pull", "stop")
 
 
+def cell_filename(cell: int) -> str:
+    """The file name a command's code runs under on the ranks (and in the kernel's linecache,
+    so tracebacks show its lines on both sides)."""
+    return f"<rank cell {cell}>"
+
+
 @dataclasses.dataclass
 class Hello:
     """The first message of a rank on its command socket."""

@@ -16,6 +16,7 @@ launch), its command socket and its exit sentinel. It returns each rank's
 from __future__ import annotations
 
 import contextlib
+import linecache
 import pickle
 import signal
 import time
@@ -26,7 +27,7 @@ from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
-from nbaccel.core.session_messages import Blocked, Command, Done
+from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
 from nbaccel.launch.relay import Relay
 
 TICK = 0.05
@@ -53,8 +54,13 @@ class RanksBrokenError(LaunchError):
 class CellError(RankFailedError):
     """The code raised on some rank; every rank is still alive and keeps its namespace."""
 
+    NOTE = "(The ranks are alive and keep their state.)"
+
     def _message(self) -> str:
-        return super()._message() + "\n(The ranks are alive and keep their state.)"
+        return f"{super()._message()}\n{self.NOTE}"
+
+    def _render_traceback_(self) -> list[str]:
+        return [*super()._render_traceback_(), self.NOTE]
 
 
 class CellTimeoutError(LaunchTimeoutError):
@@ -94,6 +100,9 @@ class _Follow:
         return [r for r in self.ranks if r not in self.done]
 
     def run(self) -> dict[int, Done]:
+        if self.command.code is not None:  # the rank's traceback then shows the cell's lines
+            name, code = cell_filename(self.command.cell), self.command.code
+            linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
         data = pickle.dumps(self.command, protocol=pickle.HIGHEST_PROTOCOL)
         for rank in self.ranks:
             try:
@@ -203,7 +212,9 @@ class _Follow:
         before = {r.rank: len(state.ranks[r.rank].diag) for r in alive}
         self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
         self.relay._collect_stacks(alive)
-        self.stacks = {r.rank: state.ranks[r.rank].diag[before[r.rank] :] for r in alive}
+        self.stacks = {
+            r.rank: cell_stack(state.ranks[r.rank].diag[before[r.rank] :]) for r in alive
+        }
         self._interrupt()
 
     def _stack_text(self) -> str:
@@ -270,3 +281,20 @@ def finish_state(state: LaunchState, outcome: Outcome) -> None:
     for s in state.ranks.values():
         if s.status == RUNNING:
             s.status, s.ended_at = STOPPED, now
+
+
+def cell_stack(dump: str) -> str:
+    """The part of a rank's faulthandler dump that matters: the main thread's frames in the
+    cell's code and the libraries it called, without nbaccel's command loop below them.
+
+    >>> cell_stack('Thread 0x1 (most recent call first):\\n  File "w.py", line 3 in watch\\n\\n'
+    ...            'Current thread 0x2 (most recent call first):\\n'
+    ...            '  File "<rank cell 3>", line 2 in <module>\\n'
+    ...            '  File "/x/nbaccel/rank/session_entry.py", line 149 in run_code')
+    'Current thread 0x2 (most recent call first):\\n  File "<rank cell 3>", line 2 in <module>'
+    """
+    blocks = dump.strip().split("\n\n")
+    main = next((b for b in blocks if b.startswith("Current thread")), dump.strip())
+    plumbing = ("nbaccel/rank/session_entry.py", "nbaccel/rank/entry.py", "/multiprocessing/")
+    plumbing += ('File "<string>"',)
+    return "\n".join(ln for ln in main.splitlines() if not any(p in ln for p in plumbing))

@@ -24,7 +24,7 @@ from multiprocessing.connection import Client
 from typing import Any
 
 from nbaccel.core import events, pickling
-from nbaccel.core.session_messages import Blocked, Command, Done, Hello
+from nbaccel.core.session_messages import Blocked, Command, Done, Hello, cell_filename
 from nbaccel.rank import entry, exit
 
 BLOCKED_AFTER = 0.3  # seconds inside one torch.distributed call before the kernel is told
@@ -112,7 +112,7 @@ def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int
 
 def _dispatch(command: Command, namespace: dict[str, Any], done: Done) -> Any:
     if command.kind == "run":
-        return run_code(command.code or "", namespace, f"<rank cell {command.cell}>")
+        return run_code(command.code or "", namespace, cell_filename(command.cell))
     if command.kind == "call":
         function = pickle.loads(command.function)
         args = pickle.loads(command.args) if command.args else ()
