@@ -22,7 +22,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 
 import psutil
@@ -152,15 +151,6 @@ def sigint_deferred(reraise: bool = True) -> Iterator[list[bool]]:
         signal.signal(signal.SIGINT, previous)
     if received and reraise:
         raise KeyboardInterrupt
-
-
-def wait_gone(pids: set[int], timeout: float) -> None:
-    """Wait until none of ``pids`` is a running process any more, or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and _alive(psutil.Process(p)) for p in pids):
-            return
-        time.sleep(0.02)
 
 
 class LeftoverProcessesWarning(UserWarning):

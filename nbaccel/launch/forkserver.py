@@ -12,6 +12,7 @@ import threading
 import time
 
 from nbaccel.core import mp_internals
+from nbaccel.launch import containment
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
 # first (the server's own group, subreaper, kill its tree at exit), the ready signal last.
@@ -48,7 +49,9 @@ def ensure_server(extra_modules: tuple[str, ...] = ()) -> None:
     """
     global _server_modules, _ready_marker
     wanted = tuple(dict.fromkeys(SERVER_PRELOAD + tuple(extra_modules) + (SERVER_READY,)))
-    with _server_lock:
+    # Ctrl-C waits until the server is started (or stopped and restarted): cut in half, the
+    # next launch would find multiprocessing's record of it inconsistent.
+    with _server_lock, containment.sigint_deferred():
         restart = not set(wanted) <= set(_server_modules)
         if restart or mp_internals.forkserver_pid() is None:
             _server_modules = wanted

@@ -93,6 +93,14 @@ class RankGroup:
             for spec in self.specs:
                 with containment.sigint_deferred():
                     self.ranks.append(self._start_one(ctx, spec))
+        except KeyboardInterrupt:
+            self.stop(grace=0)
+            started = len(self.ranks)
+            raise KeyboardInterrupt(
+                f"launch interrupted while starting ranks; the {started} started were stopped"
+                if started
+                else "launch interrupted before any rank started"
+            ) from None
         except BaseException:
             self.stop(grace=0)
             raise

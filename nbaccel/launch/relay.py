@@ -219,7 +219,7 @@ class Relay:
             rank.status = Status.STOPPED
         else:
             what = describe_exit(code) if code != 0 else "exited without reporting a result"
-            crash = rank.diag.strip()
+            crash = root_cause.without_plumbing(rank.diag.strip())
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self._record_failure(r.rank, error, what)
 
@@ -258,7 +258,10 @@ class Relay:
         before = {r.rank: len(self.state.ranks[r.rank].diag) for r in alive}
         self.group.send_signal(alive, STACK_DUMP_SIGNAL)
         self._collect_stacks(alive)
-        stacks = {r.rank: self.state.ranks[r.rank].diag[before[r.rank] :] for r in alive}
+        stacks = {
+            r.rank: root_cause.without_plumbing(self.state.ranks[r.rank].diag[before[r.rank] :])
+            for r in alive
+        }
         self.state.outcome = Outcome.TIMED_OUT
         raise LaunchTimeoutError(self.timeout or 0.0, running, stacks)
 

@@ -40,6 +40,22 @@ def cut(text: str, width: int = ERROR_LINE_WIDTH) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
+def without_plumbing(crash_report: str) -> str:
+    """A rank's crash report (faulthandler's stacks) without the frames every rank has below
+    the user's code: multiprocessing's bootstrap and the fork server's loop.
+
+    >>> report = ['  File "/x.py", line 3 in train', '  File "/py/multiprocessing/process.py"']
+    >>> without_plumbing(chr(10).join(report))
+    '  File "/x.py", line 3 in train'
+    """
+    lines = [
+        line
+        for line in crash_report.splitlines()
+        if "/multiprocessing/" not in line and not line.strip().startswith('File "<string>"')
+    ]
+    return "\n".join(lines)
+
+
 def order(failures: list[tuple[int, object]]) -> list[tuple[int, object]]:
     """Failures in the order to report them: real failures first, connection errors after."""
     return sorted(failures, key=lambda f: _is_connection(f[1]))  # stable: arrival order kept
