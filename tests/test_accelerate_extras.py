@@ -137,7 +137,16 @@ def uneven(lib: str):
             steps += 1
     with acc.local_main_process_first():
         order = acc.process_index
-    return steps, order
+    # DDP kwargs with a communication hook: gradients travel as fp16 and are still averaged.
+    ddp = importlib.import_module(f"{lib}.utils").DistributedDataParallelKwargs(comm_hook="fp16")
+    acc4 = importlib.import_module(lib).Accelerator(cpu=True, kwargs_handlers=[ddp])
+    net = acc4.prepare(torch.nn.Linear(1, 1, bias=False))
+    # Rank 0's gradient 1 + 2**-12 is not an fp16 number: compressed it becomes 1.0, so the
+    # mean is exactly 1.5 (uncompressed it would be 1.5 + 2**-13).
+    x = 1.0 + 2**-12 if acc4.process_index == 0 else 2.0
+    acc4.backward(net(torch.full((1, 1), x)).sum())
+    grad = net.module.weight.grad.item()
+    return steps, order, grad
 
 
 @pytest.mark.slow
@@ -146,4 +155,5 @@ def test_join_uneven_inputs_lets_ranks_take_different_step_counts():
     out = nbaccel.notebook_launcher(
         uneven, args=("nbaccel",), num_processes=2, progress=False, return_all=True, timeout=120
     )
-    assert [steps for steps, _ in out] == [2, 1]
+    assert [steps for steps, _, _ in out] == [2, 1]
+    assert [grad for _, _, grad in out] == [1.5, 1.5]

@@ -119,7 +119,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             strategy = "fsdp"
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin)
-        self._strategy.ddp_kwargs = opts.ddp_handler.ddp_kwargs() if opts.ddp_handler else {}
+        self._strategy.ddp_handler = opts.ddp_handler
         self._precision = select_precision(
             opts.mixed_precision, process.device, opts.scaler_handler
         )

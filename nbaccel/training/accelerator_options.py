@@ -124,6 +124,12 @@ def resolve_options(
 
 def _steps(given: int | None, env: str | None, plugin: Any) -> int:
     if plugin is not None:
+        if plugin.sync_each_batch or not plugin.sync_with_dataloader or not plugin.adjust_scheduler:
+            raise NotImplementedError(
+                "GradientAccumulationPlugin: nbaccel always syncs at the end of a dataloader and "
+                "adjusts the scheduler; sync_each_batch=True, sync_with_dataloader=False and "
+                "adjust_scheduler=False are not supported. Use num_steps only."
+            )
         if given not in (None, 1):
             raise ValueError(
                 "pass gradient_accumulation_steps or gradient_accumulation_plugin, not both."

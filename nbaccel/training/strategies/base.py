@@ -16,7 +16,7 @@ class Strategy:
     """The interface every strategy implements; the defaults suit a plain local model."""
 
     name = "base"
-    ddp_kwargs: dict[str, Any] = {}  # DistributedDataParallelKwargs, for strategies that use DDP
+    ddp_handler: Any = None  # a DistributedDataParallelKwargs, for strategies that use DDP
 
     def __init__(self, state: ProcessState) -> None:
         self.state = state

@@ -32,7 +32,12 @@ class DDPStrategy(Strategy):
         if not self.state.distributed:
             return module
         device_ids = [self.state.device.index] if self.state.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        handler = self.ddp_handler
+        kwargs = handler.ddp_kwargs() if handler is not None else {}
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, **kwargs)
+        if handler is not None:
+            _register_comm_hook(wrapped, handler)
+        return wrapped
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
@@ -52,3 +57,27 @@ class DDPStrategy(Strategy):
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
         self.unwrap(module).load_state_dict(state)
+
+
+def _register_comm_hook(model: DistributedDataParallel, handler: Any) -> None:
+    """DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...) as Accelerate applies it:
+    compress gradients to fp16/bf16, or PowerSGD, optionally wrapped in an fp16/bf16 cast."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hook_name = getattr(handler.comm_hook, "value", handler.comm_hook)
+    if hook_name == "no":
+        return
+    hooks = {
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+        "power_sgd": powerSGD_hook.powerSGD_hook,
+        "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
+    }
+    hook = hooks[hook_name]
+    state = None
+    if hook_name in ("power_sgd", "batched_power_sgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=None, **handler.comm_state_option)
+        wrapper = getattr(handler.comm_wrapper, "value", handler.comm_wrapper)
+        if wrapper in ("fp16", "bf16"):
+            hook = getattr(default_hooks, f"{wrapper}_wrapper")(hook)
+    model.register_comm_hook(state=state, hook=hook)
