@@ -33,6 +33,7 @@ from nbaccel.launch.relay import Relay
 TICK = 0.05
 COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
 INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT
+DOUBLE_PRESS = 1.0  # s after an interrupt in which another one is the same impatient press
 START_AGAIN = (
     "Start fresh ranks with `%ranks restart` (same settings) or `%ranks start` "
     "(Python: `ranks.restart()`)."
@@ -116,9 +117,10 @@ class _Follow:
                 if deadline is not None and time.monotonic() > deadline and self.stacks is None:
                     self._time_out()
             except KeyboardInterrupt:
-                if self.interrupted_at is not None:
+                if self.interrupted_at is None:
+                    self._interrupt()
+                elif time.monotonic() - self.interrupted_at > DOUBLE_PRESS:
                     raise RanksBrokenError("a second interrupt stopped them") from None
-                self._interrupt()
         return self._verdict()
 
     def _step(self) -> None:
