@@ -19,6 +19,7 @@ PUBLIC = [
     "LaunchError",
     "LaunchTimeoutError",
     "RankFailedError",
+    "Ranks",
     "configure",
     "hardware",
     "log",

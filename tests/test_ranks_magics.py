@@ -65,6 +65,16 @@ def test_state_lives_across_cells_and_output_is_labelled(ranks):
     assert cell.stdout.strip() == "[rank1] Out: 10"
 
 
+def test_load_ext_and_import_register_the_magics_once(kernel):
+    cell = kernel.execute(
+        "%load_ext nbaccel\n_ip = get_ipython()\n"
+        "print(_ip.find_line_magic('ranks') is not None, _ip.find_cell_magic('ranks') is not None,"
+        " _ip.input_transformers_cleanup.count(_ip._nbaccel_ranks_magics.transform))"
+    )
+    assert cell.error is None, cell.error_text
+    assert cell.stdout.strip() == "True True 1"
+
+
 def test_mistakes_are_explained(ranks):
     def said(code: str) -> str:  # IPython shows a UsageError on stderr, without a traceback
         cell = ranks.execute(code)
