@@ -8,6 +8,11 @@ training loop on a slow kernel: an intermediate update is skipped, and logged me
 while the event pipe is full. ``nbaccel.rank.tqdm_hook`` makes tqdm bars in a rank report the same
 way, without code changes (``NBACCEL_TQDM=0`` turns that off).
 
+Both are called in the innermost loop, so their hot paths do no clock reads and no tensor work: under
+a launch a daemon thread advances a tick every ``EMIT_INTERVAL`` (as tqdm's own monitor thread
+does) and a bar or ``log()`` compares one integer to see whether a report is due; a logged tensor is
+held as it is and read (``.item()``, a device sync on a GPU) only when it is sent.
+
 This module runs in the ranks: it never imports IPython, ipywidgets or the views.
 """
 
@@ -16,7 +21,9 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -31,7 +38,44 @@ _MAX_BACKLOG = 10_000  # logged metrics held while the kernel is behind; the old
 _bar_ids = itertools.count()
 _backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
 _pending: dict[str, tuple[int | None, Any]] = {}  # name -> latest (step, value) not yet sent
-_metrics_sent_at = 0.0
+_metrics_seen_tick = -1  # the tick at which metrics were last sent
+
+# Advanced by the ticker thread every EMIT_INTERVAL (a list so hot loops read it without a global
+# lookup); started by the first bar or log() under a launch, again in a forked child.
+_tick = [0]
+_ticker_pid: int | None = None
+_ticker_lock = threading.Lock()
+
+
+def _ensure_ticker() -> None:
+    """Start this process's tick thread once (a forked child starts its own)."""
+    global _ticker_pid
+    if _ticker_pid == os.getpid():
+        return
+    with _ticker_lock:
+        if _ticker_pid != os.getpid():
+            _ticker_pid = os.getpid()
+            thread = threading.Thread(target=_run_ticker, name="nbaccel-tick", daemon=True)
+            thread.start()
+
+
+def _run_ticker() -> None:
+    # Only sleeps and bumps an int: it holds no lock a fork could inherit mid-operation.
+    while True:
+        time.sleep(EMIT_INTERVAL)
+        _tick[0] += 1
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (e.g. a DataLoader worker) has no tick thread: make every bar and log()
+    due once, so their next report starts one."""
+    global _ticker_lock
+    _ticker_lock = threading.Lock()
+    _tick[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ProgressBar:
@@ -62,8 +106,10 @@ class ProgressBar:
         self.rank = events.current_rank()
         self._file = file
         self._start = time.monotonic()
-        # The next time (monotonic) at which a report is due; the hot path compares only this.
+        # Outside a launch: the next time (monotonic) at which the text bar is redrawn. Under a
+        # launch: the tick of the last report; the hot path compares only the tick.
         self._next_at = 0.0
+        self._seen = -1
         self._width = 0
         if not disable:
             self._report(force=True)
@@ -76,15 +122,25 @@ class ProgressBar:
         if self.closed:
             yield from self.iterable
             return
-        clock = time.monotonic
         n = self.n
         try:
-            for item in self.iterable:
-                yield item
-                n += 1
-                if clock() >= self._next_at:
-                    self.n = n
-                    self._report()
+            if self.rank is None:
+                clock = time.monotonic
+                for item in self.iterable:
+                    yield item
+                    n += 1
+                    if clock() >= self._next_at:
+                        self.n = n
+                        self._report()
+            else:
+                tick, seen = _tick, self._seen
+                for item in self.iterable:
+                    yield item
+                    n += 1
+                    if tick[0] != seen:
+                        self.n = n
+                        self._report()
+                        seen = self._seen
         finally:
             self.n = n
             self.close()
@@ -103,12 +159,14 @@ class ProgressBar:
     def update(self, n: int = 1) -> None:
         """Count ``n`` more steps (reported at a bounded rate)."""
         self.n += n
-        if not self.closed and time.monotonic() >= self._next_at:
+        if not self.closed and self.due():
             self._report()
 
     def due(self) -> bool:
         """Whether a report is due now; wrappers that count steps themselves (the tqdm hook)
         check this before :meth:`report`."""
+        if self.rank is not None:
+            return _tick[0] != self._seen
         return time.monotonic() >= self._next_at
 
     def report(self) -> None:
@@ -123,7 +181,7 @@ class ProgressBar:
         self.n, self._start = 0, time.monotonic()
         if total is not None:
             self.total = total
-        self._next_at = 0.0
+        self._next_at, self._seen = 0.0, -1
 
     def close(self) -> None:
         """Report the final state (always sent) and stop reporting."""
@@ -157,7 +215,8 @@ class ProgressBar:
         if closed:
             flush()  # metrics logged before the bar ended arrive before it does
         events.emit(event, block=force)
-        self._next_at = now + EMIT_INTERVAL
+        self._seen = _tick[0]
+        _ensure_ticker()
 
     def _draw_text(self, now: float, closed: bool) -> bool:
         """Outside a launch: on a terminal, one line redrawn in place like tqdm's plain bar;
@@ -240,40 +299,60 @@ def _as_float(name: str, value: Any) -> float:
         ) from None
 
 
-def _held(name: str, value: Any) -> Any:
-    """What to keep of a logged value until it is sent: numbers as floats, one-element tensors
-    detached but not read (``.item()`` on a GPU tensor waits for the device, so it is done only
-    for values that are actually sent)."""
+# What log() knows about a value's type after seeing one: _NUMBER (always converts, e.g. float,
+# int, numpy.float32: held as given) or _TENSOR (has .numel(): one element checked per call).
+# Other types go through _admit on every call (0-d arrays, and non-numbers, which raise there).
+_NUMBER, _TENSOR = 1, 2
+_kinds: dict[type, int] = {float: _NUMBER, int: _NUMBER, bool: _NUMBER}
+
+
+def _admit(name: Any, value: Any) -> Any:
+    """The slow path of log() for a value of a type not seen yet: check it, learn its type."""
+    kind = type(value)
     if hasattr(value, "detach") and hasattr(value, "numel"):
+        _kinds[kind] = _TENSOR
         if value.numel() != 1:
             raise TypeError(f"log() needs numbers; {name} is a tensor of {value.numel()} elements.")
-        return value.detach()
-    return _as_float(name, value)
+        return value
+    number = _as_float(str(name), value)
+    scalar = getattr(value, "ndim", 0) == 0 and kind.__name__ != "ndarray"
+    if scalar and (isinstance(value, (int, float)) or kind.__module__ == "numpy"):
+        _kinds[kind] = _NUMBER  # numpy scalars, int/float subclasses: always convert
+    return number
 
 
 def log(values: dict[str, Any], step: int | None = None) -> None:
     """Record metrics for this rank (shown in the dashboard's chart); a no-op outside a launch.
 
-    Values may be numbers or one-element tensors. Cheap enough to call every step: the latest
-    value of each name is sent at most ``EMIT_INTERVAL`` apart (a faithful sample of the curve),
-    and sending never waits for a busy kernel.
+    Values may be numbers or one-element tensors. Cheap enough to call every step (well under a
+    microsecond): the latest value of each name is sent at most ``EMIT_INTERVAL`` apart (a
+    faithful sample of the curve), a tensor is read only when it is sent (not on every call, which
+    would wait for the GPU), and sending never waits for a busy kernel. NaN values are dropped.
 
     Example::
 
         nbaccel.log({"loss": loss, "lr": scheduler.get_last_lr()[0]}, step=step)
     """
-    rank = events.current_rank()
-    if rank is None:
+    if events._channel is None:
         return
-    if not isinstance(values, dict):
+    if type(values) is not dict and not isinstance(values, dict):
         raise TypeError(f"log() takes a dict of name -> number, got {type(values).__name__}.")
+    kinds, pending = _kinds, _pending
     for name, value in values.items():
-        _pending[str(name)] = (step, _held(str(name), value))
-    global _metrics_sent_at
-    now = time.monotonic()
-    if now - _metrics_sent_at >= EMIT_INTERVAL:
-        _metrics_sent_at = now
-        _ship(rank, block=False)
+        kind = kinds.get(type(value))
+        if kind is _TENSOR:
+            if value.numel() != 1:
+                raise TypeError(
+                    f"log() needs numbers; {name} is a tensor of {value.numel()} elements."
+                )
+        elif kind is None:
+            value = _admit(name, value)
+        pending[name if type(name) is str else str(name)] = (step, value)
+    global _metrics_seen_tick
+    if _tick[0] != _metrics_seen_tick:
+        _ensure_ticker()
+        _metrics_seen_tick = _tick[0]
+        _ship(events._channel.rank, block=False)
 
 
 def _ship(rank: int, block: bool) -> None:
