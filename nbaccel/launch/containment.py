@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import psutil
 
 from nbaccel.core import mp_internals
+from nbaccel.core.processes import describe
 
 # Pids of every rank started by this process and not yet reaped, over all rank groups; the
 # fork server's other children are orphans.
@@ -98,17 +99,6 @@ def _alive(p: psutil.Process) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def describe(process: psutil.Process) -> str:
-    """A process's command line for a person (``sleep 1000``), or its name."""
-    try:
-        cmd = " ".join(process.cmdline()) or process.name()
-        if "multiprocessing.forkserver import main" in cmd:  # a fork of a rank, no exec
-            return f"{process.name()}, forked from a rank"
-    except psutil.Error:
-        return "?"
-    return cmd if len(cmd) <= 80 else cmd[:77] + "..."
 
 
 def signal_group(pid: int, sig: int) -> None:

@@ -54,27 +54,6 @@ def set_subreaper() -> bool:
     return c is not None and c.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-def describe(process: psutil.Process) -> str:
-    """A process's command line for a person (``sleep 1000``), or its name; a process forked
-    from this one without exec (a multiprocessing child, a DataLoader worker) shares this
-    process's command line, which would say nothing, so it reads "forked from the rank"."""
-    try:
-        cmdline = process.cmdline()
-        if cmdline and cmdline == _own_cmdline():
-            return f"{process.name()}, forked from the rank"
-        cmd = " ".join(cmdline) or process.name()
-    except psutil.Error:
-        return "?"
-    return cmd if len(cmd) <= 80 else cmd[:77] + "..."
-
-
-def _own_cmdline() -> list[str]:
-    try:
-        return psutil.Process().cmdline()
-    except psutil.Error:
-        return []
-
-
 def descendants() -> list[psutil.Process]:
     """This process's living descendants (zombies are reaped, not listed)."""
     reap_children()
@@ -120,12 +99,17 @@ def stop_descendants(grace: float = GRACE, found: list[psutil.Process] | None = 
         if not descendants():
             return
         time.sleep(0.02)
-    for _ in range(20):
+    kill_descendants()
+
+
+def kill_descendants(rounds: int = 50) -> None:
+    """SIGKILL every descendant, looking again while orphans re-parent to this process."""
+    for _ in range(rounds):
         left = descendants()
         if not left:
             return
         _signal_all(left, signal.SIGKILL)
-        time.sleep(0.02)
+        time.sleep(0.01)
 
 
 def _signal_all(procs: list[psutil.Process], sig: int) -> None:
@@ -163,14 +147,8 @@ def guard_server() -> None:
 
 
 def _kill_tree_if_server() -> None:
-    if os.getpid() != _server_pid:  # a forked rank inherits the hook; it is not for ranks
-        return
-    for _ in range(50):
-        left = descendants()
-        if not left:
-            return
-        _signal_all(left, signal.SIGKILL)
-        time.sleep(0.01)
+    if os.getpid() == _server_pid:  # a forked rank inherits the hook; it is not for ranks
+        kill_descendants()
 
 
 def _on_server_signal(signum: int, frame: object) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel.core import events, pickling
+from nbaccel.core import events, pickling, processes
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import containment, exit, process_setup, reporting, torch_fixes, tqdm_hook, twin
 
@@ -85,7 +85,7 @@ def _stop_leftovers(rank: int) -> None:
     left = containment.descendants()
     if left:
         events.emit(
-            events.Leftovers(rank=rank, processes=[(p.pid, containment.describe(p)) for p in left])
+            events.Leftovers(rank=rank, processes=[(p.pid, processes.describe(p)) for p in left])
         )
         containment.stop_descendants(found=left)
 
