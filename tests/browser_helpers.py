@@ -67,6 +67,10 @@ class JupyterLab:
         env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH")] if p)
         env["JUPYTER_CONFIG_DIR"] = str(self.root / ".jupyter")  # no user settings leak in
         env["JUPYTER_RUNTIME_DIR"] = str(self.root / ".runtime")
+        # No "get notified about Jupyter news?" toast over the page being screenshotted.
+        settings = self.root / ".jupyter/lab/user-settings/@jupyterlab/apputils-extension"
+        settings.mkdir(parents=True, exist_ok=True)
+        (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
         cmd = [
             sys.executable, "-m", "jupyterlab",
             "--ServerApp.ip=127.0.0.1",

@@ -20,15 +20,58 @@ cfg = nbaccel.configure()"""
 
 LAUNCH = """import time
 
-def train(steps):
-    for i in nbaccel.progress(range(steps), desc="train", unit_scale=8):
-        nbaccel.log({"loss": 1.0 / (i + 1)}, step=i)
-        time.sleep(0.01)  # stands in for a training step
+def train(epochs):
+    rank = nbaccel.Accelerator().process_index
+    for epoch in nbaccel.progress(range(epochs), desc="epoch"):
+        for i in nbaccel.progress(range(25), desc="batch", unit_scale=8):
+            nbaccel.log({"loss": 1.0 / (epoch * 25 + i + 1)}, step=epoch * 25 + i)
+            # rank 1 is slower on purpose: the dashboard marks it as a straggler
+            time.sleep(0.04 if rank == 1 else 0.01)
+            for k in range(3):
+                print(f"epoch {epoch} batch {i} line {k}")
     print("rank done")
-    return steps
+    return epochs
 
-result = nbaccel.notebook_launcher(train, args=(250,), config=cfg)
+result = nbaccel.notebook_launcher(train, args=(16,), config=cfg)
 print("result", result)"""
+
+STALL = """import os
+os.environ["NBACCEL_STALL_AFTER"] = "3"
+
+def wait_in_barrier():
+    import torch.distributed as dist
+    acc = nbaccel.Accelerator()
+    if acc.process_index == 0:
+        time.sleep(9)  # rank 1 waits in the barrier meanwhile
+    dist.barrier()
+
+nbaccel.notebook_launcher(wait_in_barrier, config=cfg)
+del os.environ["NBACCEL_STALL_AFTER"]"""
+
+FAIL = """def broken_step(batch):
+    return batch["missing"]
+
+def fails():
+    import os
+    if os.environ["RANK"] == "1":
+        broken_step({})
+
+nbaccel.notebook_launcher(fails, config=cfg)"""
+
+PANE_AT_TAIL = """(rank) => {
+    const pane = document.querySelector(`.nbaccel-live-panes .nbaccel-pane[data-rank='${rank}']`)
+        || document.querySelector(`.nbaccel-pane[data-rank='${rank}']`);
+    const box = pane.closest('.nbaccel-pane-box');
+    const last = pane.lastElementChild.getBoundingClientRect();
+    const frame = box.getBoundingClientRect();
+    return {atTail: last.bottom <= frame.bottom + 2 && last.top >= frame.top - 2,
+            scrollTop: box.scrollTop, scrollHeight: box.scrollHeight, height: box.clientHeight};
+}"""
+
+
+def show(page, selector: str) -> None:
+    """Scroll the notebook so that ``selector`` is on screen (the notebook scrolls, not the page)."""
+    page.locator(selector).last.scroll_into_view_if_needed()
 
 
 def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
@@ -38,7 +81,7 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
         "display_name": "Python 3",
         "language": "python",
     }
-    nb.cells = [nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(LAUNCH)]
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in (SETUP, LAUNCH, STALL, FAIL)]
     nbformat.write(nb, tmp_path / "launch.ipynb")
     config_file = tmp_path / "nbaccel.yaml"
     from nbaccel.core.config import LaunchConfig
@@ -48,7 +91,8 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
     env = {"NBACCEL_CONFIG_FILE": str(config_file)}
     with bh.JupyterLab(tmp_path, env=env) as lab, bh.chromium_page() as page:
         try:
-            page.set_default_timeout(60_000)
+            page.set_default_timeout(90_000)
+
             page.goto(lab.url("lab/tree/launch.ipynb"))
             page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
             page.wait_for_function(
@@ -65,20 +109,61 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
             assert "CPU:" in hardware.inner_text()
             assert page.locator(".nbaccel-config button:has-text('bf16')").count() == 1
             assert page.locator(".nbaccel-config button:has-text('fp8')").is_disabled()
-            page.wait_for_selector(".nbaccel-live tr.nbaccel-rank[data-status='running']")
-            bh.screenshot(page, "dashboard-live")
+            labels = page.locator(".nbaccel-config .widget-label").all_inner_texts()
+            assert (
+                "gradient accumulation steps" in labels
+            )  # whole, not "gradient accumulation st..."
 
+            # The live view: a run line, a rate on every running rank, a straggler, the tail.
+            page.wait_for_selector(".nbaccel-live tr.nbaccel-rank[data-status='running']")
             page.wait_for_function(
-                "() => document.querySelectorAll(\"tr.nbaccel-rank[data-status='finished']\").length == 2"
+                "() => { const rows = document.querySelectorAll("
+                "\".nbaccel-live tr.nbaccel-rank[data-status='running']\");"
+                " return rows.length == 2 && [...rows].every(r => r.dataset.rate !== '-'); }"
             )
-            page.wait_for_selector(".jp-OutputArea-output:has-text('result 250')")
-            bh.screenshot(page, "dashboard-finished")
+            run = page.locator(".nbaccel-live .nbaccel-run").inner_text()
+            assert "step" in run and "/400" in run and "samples/s" in run and "ETA" in run, run
+            page.wait_for_selector(
+                ".nbaccel-live tr.nbaccel-rank[data-rank='1'] .nbaccel-straggler"
+            )
+            page.wait_for_selector(".nbaccel-pane[data-rank='0'] span:has-text('line 2')")
+            show(page, ".nbaccel-dashboard")
+            bh.screenshot(page, "dashboard-live")
+            tail = page.evaluate(PANE_AT_TAIL, 0)
+            assert tail["atTail"], f"the pane should show its newest line: {tail}"
+
+            page.wait_for_selector(".jp-OutputArea-output:has-text('result 16')")
             rows = page.locator(".nbaccel-summary tr.nbaccel-rank")
             assert rows.count() == 2
             for i in range(2):
                 assert rows.nth(i).get_attribute("data-status") == "finished"
-                assert "250/250" in rows.nth(i).inner_text()
-            assert page.locator(".nbaccel-live").count() == 0  # the live widget gave way
-        except Exception:
+                assert "25/25" in rows.nth(i).inner_text()
+            assert "(straggler)" in rows.nth(1).inner_text()
+            show(page, ".nbaccel-summary")
+            bh.screenshot(page, "dashboard-finished")
+
+            # A stall: no rank advances for 3 s; the notice says where each rank waits.
+            stall = page.wait_for_selector(".nbaccel-live .nbaccel-stall:has-text('waiting in')")
+            assert "no rank has advanced" in stall.inner_text()
+            assert "rank 1: waiting in barrier" in stall.inner_text()
+            show(page, ".nbaccel-live")
+            bh.screenshot(page, "stall")
+
+            # A failure: the red row, and the rank's traceback as IPython shows a local one.
+            page.wait_for_selector(".jp-OutputArea-output:has-text('Cell In[')")
+            failed = page.locator(".nbaccel-summary tr.nbaccel-rank[data-status='failed']")
+            assert failed.count() == 1 and failed.get_attribute("data-rank") == "1"
+            colour = failed.locator("td").nth(1).evaluate("td => getComputedStyle(td).color")
+            assert colour == "rgb(207, 34, 46)", colour
+            error = page.locator(
+                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+            ).last.inner_text()
+            assert "in rank 1:" in error and "in broken_step()" in error, error
+            assert 'return batch["missing"]' in error and "KeyError" in error
+            assert "relay.py" not in error and "ipykernel_" not in error
+            show(page, ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
             bh.screenshot(page, "failure")
+            assert page.locator(".nbaccel-live").count() == 0  # every live widget gave way
+        except Exception:
+            bh.screenshot(page, "failure-of-the-test")
             raise

@@ -102,9 +102,11 @@ def test_panel_in_a_real_kernel_via_comm_messages(kernel, tmp_path):
     path = tmp_path / "default.yaml"
     cell = kernel.execute(f"import nbaccel\ncfg = nbaccel.configure({str(path)!r})")
     assert cell.error is None, cell.error_text
-    comms = {
-        m["content"]["comm_id"]: m["content"]["data"]["state"] for m in cell.of_type("comm_open")
-    }
+    comms: dict[str, dict] = {}  # each widget's state as a frontend rebuilds it
+    for m in cell.of_type("comm_open", "comm_msg"):
+        data = m["content"]["data"]
+        if m["msg_type"] == "comm_open" or data.get("method") == "update":
+            comms.setdefault(m["content"]["comm_id"], {}).update(data.get("state", {}))
     hardware = next(s["value"] for s in comms.values() if "nbaccel-hardware" in str(s.get("value")))
     assert re.search(r"CPU: \d+ core", hardware)
 

@@ -284,3 +284,26 @@ finally:
     summary = cell.of_type("update_display_data")[-1]["content"]["data"]["text/plain"]
     assert "stalled for up to" in summary
     assert not kernel.leftovers()
+
+
+def test_frontend_detection_in_a_kernel(kernel):
+    cell = kernel.execute(
+        """
+import os
+from nbaccel.ui import frontend, widget_frontend
+seen = [frontend()]
+for var, value in [("VSCODE_PID", "1"), ("KAGGLE_KERNEL_RUN_TYPE", "Interactive"),
+                   ("COLAB_RELEASE_TAG", "release-colab")]:
+    os.environ[var] = value
+    seen.append(frontend())
+for var in ("VSCODE_PID", "KAGGLE_KERNEL_RUN_TYPE", "COLAB_RELEASE_TAG"):
+    del os.environ[var]
+os.environ["JPY_SESSION_NAME"] = "x.ipynb"
+seen.append(frontend())
+del os.environ["JPY_SESSION_NAME"]
+print(seen)
+"""
+    )
+    assert cell.error is None, cell.error_text
+    # A kernel started by jupyter_client alone (like nbclient) is not a widget frontend.
+    assert cell.stdout.strip() == "['terminal', 'vscode', 'kaggle', 'colab', 'jupyter']"

@@ -177,7 +177,7 @@ def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
     )
     err = RankFailedError(1, 2, "raised ValueError: bad batch", remote, "builtins.ValueError")
     labels = {cell_file: "Cell In[7]"}
-    r = Renderer(colour=False, cell_label=labels.get)
+    r = Renderer(colour=False, label_for=labels.get)
     text = "\n".join(r.traceback_text(remote))
     assert "Cell In[7], line 3, in boom()" in text
     assert "----> 3     raise ValueError('bad batch')" in text

@@ -65,9 +65,9 @@ def is_nbaccel_file(filename: str) -> bool:
 class Renderer:
     """Formats frames as IPython does; ``colour=False`` gives plain text."""
 
-    def __init__(self, colour: bool = True, cell_label=None) -> None:
+    def __init__(self, colour: bool = True, label_for=None) -> None:
         self.c = _COLOURS if colour else dict.fromkeys(_COLOURS, "")
-        self._cell_label = cell_label or _ipython_cell_label
+        self._cell_label = label_for or cell_label  # file name -> "Cell In[n]" or None
 
     def frame(self, frame: Frame) -> list[str]:
         c = self.c
@@ -142,7 +142,7 @@ class Renderer:
         ]
 
 
-def _ipython_cell_label(filename: str) -> str | None:
+def cell_label(filename: str) -> str | None:
     """``Cell In[3]`` for a file the kernel compiled from a cell, else ``None``."""
     try:
         from IPython import get_ipython

@@ -71,9 +71,10 @@ def pane_html(rank: int, buffer: PaneBuffer) -> str:
         )
     text = "\n".join(body) or "<span style='color:#57606a'>(no output yet)</span>"
     return (
-        f"{note}<div class='nbaccel-pane-box' style='max-height:14em;overflow:auto;"
-        "display:flex;flex-direction:column-reverse;border:1px solid #d0d7de;border-radius:3px'>"
+        f"{note}<div class='nbaccel-pane-box' style='max-height:14em;overflow:auto;width:100%;"
+        "box-sizing:border-box;display:flex;flex-direction:column-reverse;"
+        "border:1px solid #d0d7de;border-radius:3px'>"
         f"<pre class='nbaccel-pane' data-rank='{rank}' data-lines='{buffer.total}' "
-        f"data-dropped='{buffer.dropped}' style='margin:0;padding:2px 4px;font-size:12px;"
+        f"data-dropped='{buffer.dropped}' style='flex-shrink:0;overflow:visible;margin:0;padding:2px 4px;font-size:12px;"
         f"line-height:1.3'>{text}</pre></div>"
     )

@@ -151,7 +151,10 @@ def _short(frame: str) -> str:
         name = frame.rsplit(" in ", 1)[-1]
     except IndexError:
         return frame
-    return f"{name}, {path.rsplit('/', 1)[-1]}:{line}"
+    from nbaccel.core.local_traceback import cell_label
+
+    where = cell_label(path)  # "Cell In[3]" for code from a notebook cell
+    return f"{name}, {where}, line {line}" if where else f"{name}, {path.rsplit('/', 1)[-1]}:{line}"
 
 
 def effective_settings(state: LaunchState) -> str:
