@@ -28,6 +28,7 @@ from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
+from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.relay import Relay
 
 TICK = 0.05
@@ -105,11 +106,16 @@ class _Follow:
             name, code = cell_filename(self.command.cell), self.command.code
             linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
         data = pickle.dumps(self.command, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank in self.ranks:
-            try:
-                self.connections[rank].send_bytes(data)
-            except OSError:
-                self._on_exit(rank)
+        # Every rank gets the command or none does: a Ctrl-C between two sends would leave
+        # one rank running a cell the kernel no longer follows.
+        with sigint_deferred(reraise=False) as pressed:
+            for rank in self.ranks:
+                try:
+                    self.connections[rank].send_bytes(data)
+                except OSError:
+                    self._on_exit(rank)
+        if pressed:
+            self._interrupt()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while self.pending:
             try:
