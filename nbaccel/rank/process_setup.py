@@ -20,8 +20,9 @@ from nbaccel.core import hardware, libc, mp_internals
 def die_with_parent() -> None:
     """Make sure the rank dies when whoever launched it dies, so no orphan keeps training.
 
-    On Linux the kernel (via PR_SET_PDEATHSIG) kills us when our parent exits; everywhere, a
-    thread watches the launcher's end of a pipe that only closes when the launcher is gone.
+    On Linux the kernel (via PR_SET_PDEATHSIG) kills us when our parent exits; elsewhere, a
+    thread watches the launcher's end of a pipe that only closes when the launcher is gone and
+    then kills the rank's process group (the rank and the descendants that stayed in it).
     """
     mp_internals.forget_forkserver()
     if sys.platform.startswith("linux"):
@@ -37,6 +38,13 @@ def die_with_parent() -> None:
         from multiprocessing.connection import wait
 
         wait([sentinel])
+        # Without PDEATHSIG and a subreaper (macOS) nobody else would stop what the rank
+        # started: take the rank's own process group (it leads one) down with it.
+        try:
+            if os.getpgid(0) == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)
+        except OSError:
+            pass
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="nbaccel-parent-watch", daemon=True).start()
