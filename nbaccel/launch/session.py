@@ -33,6 +33,7 @@ from nbaccel.core import pickling
 from nbaccel.core.errors import RankFailedError
 from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.core.session_messages import Command, Done
+from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.forkserver import ensure_server
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import UNSET, LaunchPlan
@@ -187,6 +188,11 @@ class Ranks:
         return self.start()
 
     def _shutdown(self, grace: float) -> None:
+        # Teardown is not cut short by Ctrl-C (that could leave ranks unreaped); it is raised after.
+        with sigint_deferred():
+            self._tear_down(grace)
+
+    def _tear_down(self, grace: float) -> None:
         group, relay = self._group, self._relay
         if group is not None:
             if not group.wait(grace):
