@@ -186,3 +186,15 @@ def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
     assert plain.endswith("RankFailedError: rank 1 (of 2) raised ValueError: bad batch")
     assert "\x1b[" not in plain and "\x1b[" in "\n".join(render_launch_error(err, colour=True))
     assert err.rank == 1 and err.remote_traceback == remote  # attributes unchanged
+
+
+def test_table_shows_the_metrics_sample_the_charts_were_drawn_from():
+    state = make_state(1)
+    rank = state.ranks[0]
+    rank.on_metrics(10, {"loss": 0.5})
+    svg = chart.metrics_charts({0: rank.history})
+    snapshot = {0: dict(rank.metrics)}
+    rank.on_metrics(20, {"loss": 0.25})  # arrives after the charts were drawn
+    html = table.table_html(state, svg, snapshot)
+    assert "loss=0.5" in html and "loss=0.25" not in html
+    assert "loss=0.25" in table.table_html(state)  # without a chart: the latest

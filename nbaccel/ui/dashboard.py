@@ -51,6 +51,7 @@ class Dashboard:
         self._last_chart = 0.0
         self._chart_key: tuple[int, ...] = ()
         self._chart_svg = ""
+        self._chart_metrics: dict[int, dict[str, float]] = {}  # the sample the charts show
         self._shown_failed: set[int] = set()
         self._widgets: list[Any] = []
         self._toggles: dict[int, Any] = {}
@@ -187,4 +188,5 @@ class Dashboard:
         if key != self._chart_key and (final or now - self._last_chart >= CHART_INTERVAL):
             self._chart_key, self._last_chart = key, now
             self._chart_svg = metrics_charts({r.rank: r.history for r in state.ranks.values()})
-        return table_html(state, self._chart_svg)
+            self._chart_metrics = {r.rank: dict(r.metrics) for r in state.ranks.values()}
+        return table_html(state, self._chart_svg, self._chart_metrics)

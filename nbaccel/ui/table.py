@@ -61,7 +61,9 @@ def header_html(state: LaunchState) -> str:
     )
 
 
-def row_html(rank: RankState, straggler: bool) -> str:
+def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None = None) -> str:
+    """One rank's row; ``metrics`` (default: the latest) lets the row show the values the
+    charts were drawn from."""
     colour = STATUS_COLOURS.get(rank.status, "inherit")
     bar = rank.bar
     n, total = (bar.n, bar.total) if bar else (0, None)
@@ -88,7 +90,7 @@ def row_html(rank: RankState, straggler: bool) -> str:
         format_seconds(rank.eta()),
         html.escape(format_memory(rank)),
         format_seconds(rank.elapsed),
-        html.escape(format_metrics(rank.metrics) or "-"),
+        html.escape(format_metrics(rank.metrics if metrics is None else metrics) or "-"),
     ]
     tds = "".join(f"<td style='{CELL}'>{c}</td>" for c in cells)
     failed = rank.status == FAILED
@@ -108,11 +110,15 @@ def row_html(rank: RankState, straggler: bool) -> str:
     return row
 
 
-def table_html(state: LaunchState, charts: str = "") -> str:
+def table_html(
+    state: LaunchState, charts: str = "", metrics: dict[int, dict[str, float]] | None = None
+) -> str:
+    """The live HTML; with ``charts``, pass the ``metrics`` they were drawn from (rank ->
+    values), so the table and the charts show the same sample."""
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in COLUMNS)
     slow = state.stragglers()
     ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
-    rows = "".join(row_html(r, r.rank in slow) for r in ranks)
+    rows = "".join(row_html(r, r.rank in slow, (metrics or {}).get(r.rank)) for r in ranks)
     run = ""
     if any(r.bars for r in ranks):
         run = f"<div class='nbaccel-run' style='margin:2px 0'>{html.escape(run_line(state))}</div>"
