@@ -203,7 +203,13 @@ def test_names_on_the_ranks_complete_with_tab_and_status_lists_ranks(ranks):
 
 
 def test_stop_leaves_nothing_running(ranks):
-    pids = _pids(ranks)
+    cell = ranks.execute(
+        "%%ranks\nimport subprocess\nchild = subprocess.Popen(['sleep', '300'])\nchild.pid"
+    )
+    assert cell.error is None, cell.error_text
+    children = [int(line.split()[-1]) for line in cell.stdout.splitlines() if "Out:" in line]
+    pids = _pids(ranks) + children
+    assert len(pids) == 4
     cell = ranks.execute("%ranks stop")
     assert cell.error is None, cell.error_text
     assert "2 ranks stopped" in cell.stdout
