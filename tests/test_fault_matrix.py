@@ -229,6 +229,19 @@ def assert_nothing_left(d: Path, marker: str, with_server: bool = False) -> None
     assert left == [], f"still running 5 s after the launch ended: {left}"
 
 
+def record_server(d: Path, parent: int) -> None:
+    """Note the fork server of ``parent`` (it must be gone too once its launcher died); during
+    "warming" it may take a moment to appear."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        for child in psutil.Process(parent).children():
+            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+                (d / f"server-{child.pid}.srv").touch()
+                return
+        time.sleep(0.02)
+    raise AssertionError("the launching process has no fork server")
+
+
 def fire_when(d: Path, phase: str, action) -> threading.Thread:
     def run():
         wait_for(lambda: trigger_reached(d, phase))
@@ -292,6 +305,7 @@ def run_and_kill_kernel(phase, kind, d: Path, marker: str) -> None:
             f"launch({str(d)!r}, {phase!r}, 'kernel_sigkill', {kind!r}, {marker!r})"
         )
         wait_for(lambda: trigger_reached(d, phase))
+        record_server(d, kernel.pid)
         os.killpg(kernel.pid, signal.SIGKILL)  # the kernel and its group, as a restart does
         kernel.manager.provisioner.process.wait()
         assert_nothing_left(d, marker, with_server=True)
@@ -314,7 +328,12 @@ def run_in_script(fault, phase, kind, d: Path, marker: str) -> None:
         if fault == "stop":
             fire_when(d, phase, lambda: os.kill(driver.pid, signal.SIGINT)).join(120)
         elif fault == "script_sigterm":
-            fire_when(d, phase, lambda: os.killpg(driver.pid, signal.SIGTERM)).join(120)
+
+            def terminate() -> None:
+                record_server(d, driver.pid)
+                os.killpg(driver.pid, signal.SIGTERM)
+
+            fire_when(d, phase, terminate).join(120)
         out, _ = driver.communicate(timeout=120)
     finally:
         if driver.poll() is None:
