@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from nbaccel.core import fsdp_settings
+from nbaccel.core import deepspeed_settings, fsdp_settings
 from nbaccel.core.atomic import atomic_write
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
-STRATEGY_CHOICES = ("ddp", "fsdp")
+STRATEGY_CHOICES = ("ddp", "fsdp", "deepspeed")
 START_METHOD_CHOICES = ("auto", "forkserver", "spawn", "fork")
 RDZV_BACKEND_CHOICES = ("static", "c10d")
 
@@ -115,6 +115,14 @@ class LaunchConfig:
     fsdp_reshard_after_forward: bool = True
     fsdp_state_dict_type: str = "FULL_STATE_DICT"
     fsdp_activation_checkpointing: bool = False
+    # DeepSpeed (strategy="deepspeed"): DeepSpeedPlugin's fields, see core/deepspeed_settings.py
+    deepspeed_zero_stage: int = 2
+    deepspeed_gradient_clipping: float | None = None
+    deepspeed_offload_optimizer_device: str = "none"
+    deepspeed_offload_param_device: str = "none"
+    deepspeed_zero3_init_flag: bool = False
+    deepspeed_zero3_save_16bit_model: bool = False
+    deepspeed_config_file: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +149,11 @@ class LaunchConfig:
                 raise ConfigError(f"main_process_port={self.main_process_port} is not a port.")
         try:
             fsdp = fsdp_settings.check_fields({k: getattr(self, k) for k in fsdp_settings.ENV})
+            fsdp.update(
+                deepspeed_settings.check_fields(
+                    {k: getattr(self, k) for k in deepspeed_settings.ENV}
+                )
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.__dict__.update(fsdp)
@@ -164,6 +177,7 @@ class LaunchConfig:
             ENV_STRATEGY: self.strategy,
             ENV_GRADIENT_ACCUMULATION_STEPS: str(self.gradient_accumulation_steps),
             **fsdp_settings.fsdp_env(self.to_dict()),
+            **deepspeed_settings.deepspeed_env(self.to_dict()),
         }
 
     # -- YAML -------------------------------------------------------------------------------

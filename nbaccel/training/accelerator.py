@@ -84,7 +84,6 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         strategy: str | None = None,
     ) -> None:
         for name, value in (
-            ("deepspeed_plugin", deepspeed_plugin),
             ("deepspeed_plugins", deepspeed_plugins),
             ("torch_tp_plugin", torch_tp_plugin),
             ("megatron_lm_plugin", megatron_lm_plugin),
@@ -92,8 +91,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         ):
             if value is not None:
                 raise NotImplementedError(
-                    f"Accelerator({name}=...) is not supported by nbaccel, which runs DDP and "
-                    "FSDP only; use strategy='fsdp' (with fsdp_plugin=...) for sharded training."
+                    f"Accelerator({name}=...) is not supported by nbaccel, which runs DDP, FSDP "
+                    "and DeepSpeed (one deepspeed_plugin=...) for sharded training."
                 )
         opts = resolve_options(
             mixed_precision=mixed_precision
@@ -113,16 +112,20 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             dynamo_backend=dynamo_plugin if dynamo_plugin is not None else dynamo_backend,
             log_with=log_with,
         )
-        self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, None
+        self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
         strategy = strategy or os.environ.get(ENV_STRATEGY) or "ddp"
         if fsdp_plugin is not None:
             strategy = "fsdp"
+        if deepspeed_plugin is not None:
+            strategy = "deepspeed"
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
-        self._strategy = select_strategy(strategy, process, fsdp_plugin)
+        self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
         self._strategy.ddp_handler = opts.ddp_handler
         self._precision = select_precision(
             opts.mixed_precision, process.device, opts.scaler_handler
         )
+        if self._strategy.name == "deepspeed":  # the engine casts and scales, not autocast
+            self._precision = self._strategy.engine_precision(self._precision)
         self.state = AcceleratorState._from(
             process,
             mixed_precision=self._precision.name,
@@ -216,6 +219,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"prepare() argument {i} ({type(obj).__name__}) was already prepared; pass "
                     "the original object only once and keep using what prepare() returned."
                 )
+        if self._strategy.name == "deepspeed":  # one engine takes model + optimizer + scheduler
+            out = self._strategy.prepare_all(self, list(args), device_placement)
+            return out[0] if len(out) == 1 else tuple(out)
         out: list[Any] = list(args)
         # Models first: FSDP replaces parameters, and optimizers must then follow them.
         order = [torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]

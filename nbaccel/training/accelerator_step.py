@@ -34,6 +34,9 @@ class TrainingStep:
                 "accelerator.backward() was called before any model was prepared; call "
                 "model, optimizer = accelerator.prepare(model, optimizer) first."
             )
+        if self._strategy.name == "deepspeed":  # the engine scales by 1/steps and steps itself
+            self._strategy.backward(loss, self._gs.sync_gradients, **kwargs)
+            return
         if self._gs.accumulation_steps > 1:
             loss = loss / self._gs.accumulation_steps
         self._precision.backward(loss, **kwargs)

@@ -72,9 +72,13 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
     prepared = acc.prepared()
     strategy = prepared.strategy
     sharded = getattr(strategy, "sharded_checkpoint", False)  # FSDP with SHARDED_STATE_DICT
+    engine = getattr(strategy, "engine_checkpoint", False)  # DeepSpeed: model + optimizer, per rank
     from nbaccel.training.strategies import fsdp  # torch.distributed.checkpoint: import on use
 
     for i, model in enumerate(prepared.models):
+        if engine:
+            strategy.save_engine_checkpoint(model, staging, f"model_{i}")
+            continue
         if sharded:
             fsdp.save_sharded_model(model, staging / f"model_{i}")
             continue
@@ -83,6 +87,8 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
             atomic_save(state, staging / f"model_{i}.pt")
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         # Each optimizer through its own model: under FSDP its state is gathered via that model.
+        if engine:
+            continue  # in the engine's checkpoint
         if sharded:
             fsdp.save_sharded_optimizer(model, opt.optimizer, staging / f"optimizer_{i}")
             continue
@@ -134,12 +140,18 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
             f"the checkpoint at {path} holds {expected} model(s) but {len(prepared.models)} were "
             "prepared; prepare the same objects, in the same order, before load_state()."
         )
+    engine = getattr(strategy, "engine_checkpoint", False)
     for i, model in enumerate(prepared.models):
+        if engine:
+            strategy.load_engine_checkpoint(model, path, f"model_{i}")
+            continue
         if (path / f"model_{i}").is_dir():  # sharded: loads on any number of ranks
             fsdp.load_sharded_model(model, path / f"model_{i}")
             continue
         strategy.load_model_state_dict(model, _load(path / f"model_{i}.pt"))
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
+        if engine:
+            continue
         if (path / f"optimizer_{i}").is_dir():
             fsdp.load_sharded_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
             continue

@@ -20,8 +20,10 @@ from nbaccel.training.strategies.base import PreparedOptimizer, PreparedSchedule
 __all__ = ["PreparedOptimizer", "PreparedScheduler", "Strategy", "select_strategy"]
 
 
-def select_strategy(name: str, state: ProcessState, fsdp_plugin: Any = None) -> Strategy:
-    """The strategy called ``name`` ("ddp" or "fsdp") for this process.
+def select_strategy(
+    name: str, state: ProcessState, fsdp_plugin: Any = None, deepspeed_plugin: Any = None
+) -> Strategy:
+    """The strategy called ``name`` ("ddp", "fsdp" or "deepspeed") for this process.
 
     Example::
 
@@ -35,6 +37,10 @@ def select_strategy(name: str, state: ProcessState, fsdp_plugin: Any = None) -> 
         from nbaccel.training.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy(state, fsdp_plugin)  # None: settings from NBACCEL_FSDP_*
+    if name == "deepspeed":
+        from nbaccel.training.strategies.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(state, deepspeed_plugin)  # None: NBACCEL_DEEPSPEED_*
     raise ValueError(
         f"strategy={name!r} is not known; choose one of {', '.join(map(repr, STRATEGY_CHOICES))}."
     )

@@ -1,0 +1,226 @@
+"""``DeepSpeedPlugin``: how DeepSpeed ZeRO trains a model, with Accelerate's field names.
+
+A field left as ``None`` takes the launch's setting (``NBACCEL_DEEPSPEED_*``, written by
+``LaunchConfig``/``nbaccel config``), else Accelerate's default (ZeRO stage 2, no offload).
+``hf_ds_config`` (a dict or a JSON file) replaces the config built from the fields; its
+``"auto"`` values are filled at ``prepare`` from the plugin and the prepared objects
+(see :func:`fill_auto`).
+
+Example::
+
+    from nbaccel import Accelerator
+    from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, gradient_clipping=1.0))
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from typing import Any
+
+from nbaccel.core import deepspeed_settings as settings
+
+_FIELDS = {  # plugin field -> LaunchConfig field (and so NBACCEL_DEEPSPEED_* variable)
+    "zero_stage": "deepspeed_zero_stage",
+    "gradient_clipping": "deepspeed_gradient_clipping",
+    "offload_optimizer_device": "deepspeed_offload_optimizer_device",
+    "offload_param_device": "deepspeed_offload_param_device",
+    "zero3_init_flag": "deepspeed_zero3_init_flag",
+    "zero3_save_16bit_model": "deepspeed_zero3_save_16bit_model",
+    "hf_ds_config": "deepspeed_config_file",
+}
+
+
+@dataclasses.dataclass
+class DeepSpeedPlugin:
+    """DeepSpeed settings, as Accelerate's ``DeepSpeedPlugin``.
+
+    - ``zero_stage``: 0-3 (1 shards optimizer state, 2 also gradients, 3 also parameters).
+    - ``gradient_accumulation_steps``: ``None`` takes the Accelerator's; a number wins over it.
+    - ``gradient_clipping``: max gradient norm applied by the engine (``None``: no clipping).
+    - ``offload_optimizer_device`` / ``offload_param_device``: "none", "cpu" or "nvme".
+    - ``zero3_init_flag``: build models inside :meth:`zero3_init_context` sharded from the start.
+    - ``zero3_save_16bit_model``: DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``
+      (``get_state_dict``/``save_model`` gather full weights under ZeRO-3 either way).
+    - ``hf_ds_config``: a DeepSpeed config dict or JSON path used instead of the fields above.
+
+    Example::
+
+        plugin = DeepSpeedPlugin(hf_ds_config="ds_config.json")   # "auto" values filled later
+    """
+
+    hf_ds_config: Any = None
+    gradient_accumulation_steps: int | str | None = None
+    gradient_clipping: float | None = None
+    zero_stage: int | None = None
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    zero3_init_flag: bool | None = None
+    zero3_save_16bit_model: bool | None = None
+
+    def __post_init__(self) -> None:
+        values = {}
+        for field, key in _FIELDS.items():
+            value = getattr(self, field)
+            if value is None:
+                env = os.environ.get(settings.ENV[key])
+                value = env if env not in (None, "") else settings.DEFAULTS[key]
+            values[key] = value
+        checked = settings.check_fields(values)
+        for field, key in _FIELDS.items():
+            setattr(self, field, checked[key])
+        steps = self.gradient_accumulation_steps
+        if steps not in (None, "auto") and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}.")
+        self.deepspeed_config = self._base_config()
+
+    def _base_config(self) -> dict[str, Any]:
+        source = self.hf_ds_config
+        if isinstance(source, (str, os.PathLike)):
+            try:
+                with open(source, encoding="utf-8") as f:
+                    return json.load(f)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"hf_ds_config={str(source)!r}: no such DeepSpeed config file."
+                ) from None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"hf_ds_config={str(source)!r} is not valid JSON: {exc}") from None
+        if isinstance(source, dict):
+            return copy.deepcopy(source)
+        if source is not None:
+            raise TypeError(
+                f"hf_ds_config must be a dict or a JSON file path, got {type(source).__name__}."
+            )
+        zero: dict[str, Any] = {"stage": self.zero_stage}
+        if self.offload_optimizer_device != "none":
+            zero["offload_optimizer"] = {"device": self.offload_optimizer_device}
+        if self.offload_param_device != "none":
+            zero["offload_param"] = {"device": self.offload_param_device}
+        if self.zero_stage == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = self.zero3_save_16bit_model
+        config = {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "zero_optimization": zero,
+            "steps_per_print": 2**31 - 1,  # DeepSpeed's own progress lines: off, as in Accelerate
+        }
+        if self.gradient_clipping is not None:
+            config["gradient_clipping"] = self.gradient_clipping
+        return config
+
+    @property
+    def zero_stage_in_config(self) -> int:
+        """The ZeRO stage the engine will run (from ``hf_ds_config`` when one was given)."""
+        return int(self.deepspeed_config.get("zero_optimization", {}).get("stage", 0))
+
+    def zero3_init_context(self) -> Any:
+        """``deepspeed.zero.Init`` when ``zero3_init_flag`` and ZeRO-3, else a no-op context:
+        parameters of models built inside are partitioned at construction (big models).
+
+        Example::
+
+            with plugin.zero3_init_context():
+                model = build_model()
+        """
+        import contextlib
+
+        if not (self.zero3_init_flag and self.zero_stage_in_config == 3):
+            return contextlib.nullcontext()
+        from nbaccel.training.strategies.deepspeed import import_deepspeed
+
+        return import_deepspeed().zero.Init(config_dict_or_path=self.deepspeed_config)
+
+
+def fill_auto(
+    config: dict[str, Any],
+    *,
+    micro_batch: int | None,
+    accumulation_steps: int,
+    world_size: int,
+    mixed_precision: str,
+    gradient_clipping: float | None,
+    optimizer: Any = None,
+) -> dict[str, Any]:
+    """A copy of ``config`` with its ``"auto"`` values filled and ``mixed_precision`` mapped to
+    the ``bf16``/``fp16`` sections; raises ValueError naming any ``"auto"`` it cannot fill.
+
+    Example::
+
+        fill_auto({"train_micro_batch_size_per_gpu": "auto"}, micro_batch=8,
+                  accumulation_steps=1, world_size=2, mixed_precision="bf16",
+                  gradient_clipping=None)["bf16"]    # {'enabled': True}
+    """
+    out = copy.deepcopy(config)
+    if out.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        if micro_batch is None:
+            raise ValueError(
+                "the DeepSpeed config's train_micro_batch_size_per_gpu is 'auto' but no "
+                "DataLoader was prepared to take it from: pass the DataLoader to the same "
+                "prepare() call as the model, or set a number in the config."
+            )
+        out["train_micro_batch_size_per_gpu"] = micro_batch
+    if out.get("gradient_accumulation_steps", "auto") == "auto":
+        out["gradient_accumulation_steps"] = accumulation_steps
+    if out.get("train_batch_size", "auto") == "auto":
+        out["train_batch_size"] = (
+            out["train_micro_batch_size_per_gpu"] * out["gradient_accumulation_steps"] * world_size
+        )
+    if out.get("gradient_clipping") == "auto":
+        if gradient_clipping is None:
+            del out["gradient_clipping"]
+        else:
+            out["gradient_clipping"] = gradient_clipping
+    _fill_precision(out, mixed_precision)
+    if optimizer is not None and "optimizer" in out:
+        group = optimizer.param_groups[0]
+        params = out["optimizer"].setdefault("params", {})
+        for key in ("lr", "betas", "eps", "weight_decay", "momentum"):
+            if params.get(key) == "auto" and key in group:
+                value = group[key]
+                params[key] = list(value) if isinstance(value, tuple) else float(value)
+    scheduler = out.get("scheduler", {}).get("params", {})
+    if optimizer is not None and scheduler.get("warmup_max_lr") == "auto":
+        scheduler["warmup_max_lr"] = float(optimizer.param_groups[0]["lr"])
+    left = _autos(out)
+    if left:
+        raise ValueError(
+            f"the DeepSpeed config still has 'auto' at {', '.join(left)}: nbaccel fills batch "
+            "size, accumulation, clipping, precision, optimizer hyperparameters and "
+            "warmup_max_lr; put numbers in the config for the rest."
+        )
+    return out
+
+
+def _fill_precision(config: dict[str, Any], mixed_precision: str) -> None:
+    if mixed_precision == "fp8":
+        raise ValueError("mixed_precision='fp8' is not available with DeepSpeed; use 'bf16'.")
+    for name in ("fp16", "bf16"):
+        section = config.get(name)
+        wanted = mixed_precision == name
+        if section is None:
+            if wanted:
+                config[name] = {"enabled": True}
+            continue
+        enabled = section.get("enabled", "auto")
+        if enabled == "auto":
+            section["enabled"] = wanted
+        elif enabled and not wanted and mixed_precision != "no":
+            raise ValueError(
+                f"the DeepSpeed config enables {name} but mixed_precision={mixed_precision!r}; "
+                "make them agree (or set the config's value to 'auto')."
+            )
+
+
+def _autos(value: Any, path: str = "") -> list[str]:
+    if value == "auto":
+        return [path or "<root>"]
+    if isinstance(value, dict):
+        return [a for k, v in value.items() for a in _autos(v, f"{path}.{k}" if path else k)]
+    return []

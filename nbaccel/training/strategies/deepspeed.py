@@ -1,0 +1,274 @@
+"""The DeepSpeed strategy: ZeRO stages 0-3 through one ``deepspeed.initialize`` engine.
+
+DeepSpeed wants the model and optimizer together, so ``Accelerator.prepare`` hands them here at
+once (:meth:`DeepSpeedStrategy.prepare_all`). The engine then owns loss scaling, accumulation
+boundaries, clipping and the optimizer step: ``backward`` runs ``engine.backward`` and, at a
+boundary, ``engine.step``; the returned optimizer does nothing on ``step``/``zero_grad``
+(Accelerate's behaviour). A torch LR scheduler stays nbaccel's prepared scheduler, so it
+advances exactly as under DDP. ``save_state``/``load_state`` write DeepSpeed's own per-rank checkpoint;
+``get_state_dict``/``save_model`` gather full weights under ZeRO-3.
+
+On CPU, ``DS_ACCELERATOR=cpu`` is set before DeepSpeed is imported, and DeepSpeed's shared-memory
+all-reduce (used for inference only, and JIT-compiled with g++ on first use, ~55 s) is marked
+unavailable so training starts at once; set ``NBACCEL_DEEPSPEED_SHM_COMM=1`` to keep it.
+
+Example::
+
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))
+    model, opt, dl = acc.prepare(model, torch.optim.AdamW(model.parameters()), dl)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin, fill_auto
+from nbaccel.training.precision import Precision
+from nbaccel.training.strategies.base import PreparedOptimizer, Strategy
+
+# DeepSpeed calls torch.distributed functions that torch 2.13 marks deprecated; the warnings
+# repeat on every step and nobody but DeepSpeed can act on them.
+_NOISE = r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
+
+
+def import_deepspeed(cpu: bool = True) -> Any:
+    """``import deepspeed`` set up for this process, or an ImportError that says how to install.
+
+    Example::
+
+        deepspeed = import_deepspeed(cpu=True)   # DS_ACCELERATOR=cpu unless already chosen
+    """
+    if cpu and "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, when deepspeed is imported
+    try:
+        import deepspeed
+        import deepspeed.ops
+    except ImportError as exc:
+        raise ImportError(
+            f"strategy='deepspeed' needs the deepspeed package, which cannot be imported in "
+            f"{sys.executable} ({exc}). Install it with: pip install 'nbaccel[deepspeed]'"
+        ) from exc
+    if cpu and os.environ.get("NBACCEL_DEEPSPEED_SHM_COMM", "") not in ("1", "true"):
+        # Only inference_all_reduce uses this op; without it training needs no compiler.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    warnings.filterwarnings("ignore", message=_NOISE, category=FutureWarning)
+    return deepspeed
+
+
+class DeepSpeedOptimizer(PreparedOptimizer):
+    """The engine's optimizer: ``step``/``zero_grad`` are done by ``accelerator.backward`` at
+    each accumulation boundary, so here they only record whether the step was skipped."""
+
+    def __init__(self, engine: Any, gs: Any) -> None:
+        super().__init__(engine.optimizer, Precision(torch.device("cpu")), gs)
+        self._engine = engine
+
+    def step(self, closure: Any = None) -> None:
+        if self._gs.sync_gradients:
+            self.step_was_skipped = bool(getattr(self._engine.optimizer, "overflow", False))
+            self._gs.optimizer_step_was_skipped = self.step_was_skipped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # engine.step() zeroes the gradients
+
+
+class DeepSpeedStrategy(Strategy):
+    """One DeepSpeed engine per Accelerator, configured by a :class:`DeepSpeedPlugin`."""
+
+    name = "deepspeed"
+    engine_checkpoint = True  # save_state/load_state use engine.save_checkpoint/load_checkpoint
+
+    def __init__(self, state: Any, plugin: DeepSpeedPlugin | None = None) -> None:
+        super().__init__(state)
+        self.plugin = plugin if plugin is not None else DeepSpeedPlugin()
+        self.engine: Any = None
+        self.mixed_precision = "no"
+        self._warned_clip = False
+        self._ds = import_deepspeed(cpu=state.device.type == "cpu")  # fail early if missing
+
+    def engine_precision(self, precision: Precision) -> Precision:
+        """A precision that casts nothing (the engine's bf16/fp16 sections do) but keeps the
+        name, so ``accelerator.mixed_precision`` still reports it."""
+        self.mixed_precision = precision.name
+        plain = Precision(precision.device)
+        plain.name = precision.name
+        return plain
+
+    # -- prepare ------------------------------------------------------------------------------
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        raise RuntimeError(
+            "with DeepSpeed, pass the model, its optimizer (and scheduler, DataLoader) to one "
+            "accelerator.prepare(model, optimizer, dataloader) call: the engine wraps them "
+            "together."
+        )
+
+    def prepare_all(self, acc: Any, args: list[Any], placement: list[bool] | None) -> list[Any]:
+        """Prepare loaders as usual and model/optimizer/scheduler as one engine; registers them
+        with ``acc`` (its ``_models``, ``_optimizers``, ``_schedulers``) like the single paths."""
+        kinds = {
+            kind: [i for i, a in enumerate(args) if isinstance(a, cls)]
+            for kind, cls in (
+                ("model", torch.nn.Module),
+                ("optimizer", torch.optim.Optimizer),
+                ("scheduler", torch.optim.lr_scheduler.LRScheduler),
+                ("loader", DataLoader),
+            )
+        }
+        for kind in ("model", "optimizer", "scheduler"):
+            if len(kinds[kind]) > 1 or kinds[kind] and self.engine is not None:
+                raise ValueError(
+                    f"DeepSpeed trains one model with one optimizer and scheduler per "
+                    f"Accelerator; this prepare() got another {kind}. Use one Accelerator per "
+                    "model."
+                )
+        out = list(args)
+        for i in kinds["loader"]:
+            out[i] = acc.prepare_data_loader(args[i], placement[i] if placement else None)
+        if not kinds["model"]:
+            if kinds["optimizer"] or kinds["scheduler"]:
+                raise ValueError(
+                    "with DeepSpeed, pass the optimizer and scheduler to the same prepare() call "
+                    "as their model."
+                )
+            return out
+        model = args[kinds["model"][0]]
+        optimizer = args[kinds["optimizer"][0]] if kinds["optimizer"] else None
+        scheduler = args[kinds["scheduler"][0]] if kinds["scheduler"] else None
+        loaders = [out[i] for i in kinds["loader"]] or list(acc._dataloaders)
+        self.engine = self._initialize(acc, model, optimizer, scheduler, loaders)
+        out[kinds["model"][0]] = self.engine
+        acc._models.append(self.engine)
+        if optimizer is not None:
+            opt = DeepSpeedOptimizer(self.engine, acc._gs)
+            out[kinds["optimizer"][0]] = opt
+            acc._optimizers.append(opt)
+        if scheduler is not None:
+            # Stepped like every prepared scheduler (N times per optimizer step on N ranks,
+            # not on skipped steps), so a schedule runs as under DDP; saved by save_state.
+            out[kinds["scheduler"][0]] = acc.prepare_scheduler(scheduler)
+        for obj in (model, optimizer):
+            if obj is not None:
+                obj._nbaccel_prepared = True
+        return out
+
+    def _initialize(
+        self, acc: Any, model: Any, optimizer: Any, scheduler: Any, loaders: list[Any]
+    ) -> Any:
+        self._ensure_process_group()
+        self._ds.init_distributed(dist_backend=dist.get_backend())  # reuses the existing group
+        config = self.plugin.deepspeed_config
+        steps = self.plugin.gradient_accumulation_steps
+        if config.get("gradient_accumulation_steps", "auto") != "auto":
+            steps = config["gradient_accumulation_steps"]  # the config file is the authority
+        if steps not in (None, "auto"):
+            acc._gs.accumulation_steps = int(steps)  # accumulate() must agree with the engine
+        micro = loaders[0].batch_size if loaders else None  # per rank (split_batches applied)
+        filled = fill_auto(
+            config,
+            micro_batch=micro,
+            accumulation_steps=acc._gs.accumulation_steps,
+            world_size=self.state.num_processes,
+            mixed_precision=self.mixed_precision,
+            gradient_clipping=self.plugin.gradient_clipping,
+            optimizer=optimizer,
+        )
+        kwargs: dict[str, Any] = {"model": model, "config": filled}
+        if optimizer is not None and "optimizer" in filled:
+            kwargs["model_parameters"] = (
+                optimizer.param_groups
+            )  # DeepSpeed's optimizer, your groups
+        elif optimizer is not None:
+            filled.setdefault("zero_allow_untested_optimizer", True)  # SGD etc., as Accelerate
+            kwargs["optimizer"] = optimizer
+        if scheduler is not None and "scheduler" in filled:
+            raise ValueError(
+                "the DeepSpeed config has a 'scheduler' section and a torch scheduler was "
+                "passed to prepare(); keep one of them."
+            )
+        self.config = filled
+        engine, *_ = self._ds.initialize(**kwargs)
+        return engine
+
+    def _ensure_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        # One process (the kernel itself): DeepSpeed still needs a group; an in-memory store
+        # avoids ports and MPI discovery.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    # -- training -----------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, sync_gradients: bool, **kwargs: Any) -> None:
+        """``engine.backward`` (scaled by 1/accumulation steps), then ``engine.step`` at the
+        accumulation boundary (optimizer step, clipping, scheduler step, zeroing)."""
+        engine = self._require_engine()
+        engine.set_gradient_accumulation_boundary(sync_gradients)
+        engine.backward(loss, **kwargs)
+        if sync_gradients:
+            engine.step()
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float
+    ) -> torch.Tensor | None:
+        configured = self.config.get("gradient_clipping") if self.engine else None
+        if not self._warned_clip and configured != max_norm:
+            self._warned_clip = True
+            warnings.warn(
+                f"DeepSpeed clips gradients inside its step with gradient_clipping="
+                f"{configured} from its config; clip_grad_norm_(max_norm={max_norm}) only "
+                f"returns the norm. Set DeepSpeedPlugin(gradient_clipping={max_norm}) instead.",
+                stacklevel=3,
+            )
+        norm = self._require_engine().get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(float(norm))
+
+    def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.module if isinstance(module, self._ds.DeepSpeedEngine) else module
+
+    # -- state --------------------------------------------------------------------------------
+
+    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """Full weights on every rank (ZeRO-3 gathers them: call it on every rank)."""
+        inner = self.unwrap(module)
+        params = [p for p in inner.parameters() if hasattr(p, "ds_id")]  # ZeRO-3 partitioned
+        with self._ds.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+            return {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+
+    def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "a DeepSpeed engine restores its weights from its own checkpoint: use "
+            "accelerator.load_state(folder), or load the weights into the model before prepare()."
+        )
+
+    def save_engine_checkpoint(self, module: Any, folder: Path, tag: str) -> None:
+        """``engine.save_checkpoint``: every rank writes its shard of weights and optimizer."""
+        module.save_checkpoint(str(folder), tag=tag, save_latest=False)
+
+    def load_engine_checkpoint(self, module: Any, folder: Path, tag: str) -> None:
+        """``engine.load_checkpoint`` of what :meth:`save_engine_checkpoint` wrote."""
+        if not (folder / tag).is_dir():
+            raise FileNotFoundError(
+                f"{folder / tag} is missing: the checkpoint was not written by a DeepSpeed "
+                "run; resume with the strategy that saved it."
+            )
+        path, _ = module.load_checkpoint(str(folder), tag=tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder / tag}.")
+
+    def _require_engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError(
+                "no DeepSpeed engine yet: call accelerator.prepare(model, optimizer, dataloader) "
+                "first."
+            )
+        return self.engine

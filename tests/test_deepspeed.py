@@ -1,0 +1,320 @@
+"""DeepSpeed ZeRO on 2 CPU ranks (gloo): stages 1, 2 and 3 train to DDP's losses and weights on
+the same data, resume from a checkpoint, and save_model under ZeRO-3 writes the full weights;
+also the plugin's config ("auto" values, mixed precision), and runs under `nbaccel launch` and
+plain torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbaccel
+from nbaccel.core.config import LaunchConfig
+from nbaccel.core.rendezvous import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+# DDP and DeepSpeed run the same float32 AdamW math, but DeepSpeed sums gradients over flat
+# buffers in another order; measured differences are ~1e-7, so 1e-5 is a wide margin that
+# still catches a missed step, a wrong accumulation scale or an unsynchronised gradient.
+TOL = 1e-5
+
+
+def _plugin(**kw):
+    from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
+
+    return DeepSpeedPlugin(**kw)
+
+
+# -- the plugin and its config, without launching --------------------------------------------
+
+
+def test_plugin_builds_accelerates_config_and_fills_auto_values():
+    from nbaccel.training.deepspeed_plugin import fill_auto
+
+    plugin = _plugin(zero_stage=3, offload_optimizer_device="cpu", gradient_clipping=1.0)
+    config = fill_auto(
+        plugin.deepspeed_config,
+        micro_batch=8,
+        accumulation_steps=2,
+        world_size=2,
+        mixed_precision="bf16",
+        gradient_clipping=plugin.gradient_clipping,
+    )
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert config["train_micro_batch_size_per_gpu"] == 8
+    assert config["gradient_accumulation_steps"] == 2
+    assert config["train_batch_size"] == 32
+    assert config["gradient_clipping"] == 1.0
+    assert config["bf16"] == {"enabled": True} and "fp16" not in config
+
+
+def test_user_json_autos_come_from_the_prepared_objects(tmp_path):
+    from nbaccel.training.deepspeed_plugin import fill_auto
+
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "bf16": {"enabled": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+                "zero_optimization": {"stage": 2},
+            }
+        )
+    )
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=0.02, betas=(0.8, 0.9))
+    plugin = _plugin(hf_ds_config=str(path), gradient_clipping=0.5)
+    config = fill_auto(
+        plugin.deepspeed_config,
+        micro_batch=4,
+        accumulation_steps=3,
+        world_size=2,
+        mixed_precision="no",
+        gradient_clipping=plugin.gradient_clipping,
+        optimizer=opt,
+    )
+    assert plugin.zero_stage_in_config == 2
+    assert config["train_batch_size"] == 24 and config["gradient_clipping"] == 0.5
+    assert config["bf16"] == {"enabled": False}
+    assert config["optimizer"]["params"] == {"lr": 0.02, "betas": [0.8, 0.9]}
+    assert config["scheduler"]["params"]["warmup_max_lr"] == 0.02
+
+
+def test_config_errors_say_what_to_do(tmp_path, monkeypatch):
+    from nbaccel.training.deepspeed_plugin import fill_auto
+
+    with pytest.raises(ValueError, match="no DataLoader was prepared"):
+        fill_auto({}, micro_batch=None, accumulation_steps=1, world_size=1,
+                  mixed_precision="no", gradient_clipping=None)  # fmt: skip
+    with pytest.raises(ValueError, match="enables fp16 but mixed_precision='bf16'"):
+        fill_auto({"fp16": {"enabled": True}}, micro_batch=1, accumulation_steps=1,
+                  world_size=1, mixed_precision="bf16", gradient_clipping=None)  # fmt: skip
+    with pytest.raises(ValueError, match=r"still has 'auto' at scheduler.params.total_num_steps"):
+        fill_auto({"scheduler": {"params": {"total_num_steps": "auto"}}}, micro_batch=1,
+                  accumulation_steps=1, world_size=1, mixed_precision="no",
+                  gradient_clipping=None)  # fmt: skip
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
+        _plugin(zero_stage=4)
+    with pytest.raises(FileNotFoundError, match="no such DeepSpeed config file"):
+        _plugin(hf_ds_config=str(tmp_path / "missing.json"))
+    monkeypatch.setenv("NBACCEL_DEEPSPEED_ZERO_STAGE", "1")
+    monkeypatch.setenv("NBACCEL_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "CPU")
+    plugin = _plugin()  # unset fields come from the launch's variables
+    assert (plugin.zero_stage, plugin.offload_param_device) == (1, "cpu")
+
+
+def test_launch_config_carries_deepspeed_settings_to_the_ranks(tmp_path):
+    cfg = LaunchConfig(
+        strategy="deepspeed", deepspeed_zero_stage="3", deepspeed_gradient_clipping=1
+    )
+    assert cfg.deepspeed_zero_stage == 3
+    env = cfg.worker_env()
+    assert env["NBACCEL_STRATEGY"] == "deepspeed"
+    assert env["NBACCEL_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert env["NBACCEL_DEEPSPEED_GRADIENT_CLIPPING"] == "1.0"
+    assert LaunchConfig.load(cfg.save(tmp_path / "c.yaml")).deepspeed_zero_stage == 3
+    with pytest.raises(ValueError, match="deepspeed_offload_param_device"):
+        LaunchConfig(deepspeed_offload_param_device="gpu")
+
+
+def test_missing_deepspeed_is_a_clear_error():
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["deepspeed"] = None   # as if not installed
+        from nbaccel import Accelerator
+        try:
+            Accelerator(strategy="deepspeed")
+        except ImportError as exc:
+            print(exc)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "strategy='deepspeed' needs the deepspeed package" in out.stdout, out.stderr[-2000:]
+    assert "pip install 'nbaccel[deepspeed]'" in out.stdout
+
+
+# -- on 2 ranks ------------------------------------------------------------------------------
+
+
+def train(kind: str, epochs: int = 2, folder: str | None = None, resume: bool = False) -> dict:
+    """Train a small net on fixed data with accumulation 2, clipping 1.0 and a StepLR; ``kind``
+    is "ddp" or "zero<stage>". With ``folder``, save_state after the first epoch, then (when
+    ``resume``) continue in a fresh Accelerator from that checkpoint."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nbaccel import Accelerator
+    from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 4, generator=g)
+        dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
+        if kind == "ddp":
+            acc = Accelerator(gradient_accumulation_steps=2, strategy="ddp")
+        else:
+            plugin = DeepSpeedPlugin(
+                zero_stage=int(kind[-1]), gradient_accumulation_steps=2, gradient_clipping=1.0
+            )
+            acc = Accelerator(deepspeed_plugin=plugin)
+        return (acc, *acc.prepare(model, opt, dl, sched))
+
+    def epoch(acc, model, opt, dl, sched, losses):
+        for x, y in dl:
+            with acc.accumulate(model):
+                loss = F.mse_loss(model(x), y)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            losses.append(acc.gather(loss.detach()).mean().item())
+
+    acc, model, opt, dl, sched = build()
+    losses: list[float] = []
+    for e in range(epochs):
+        epoch(acc, model, opt, dl, sched, losses)
+        if folder and e == 0:
+            acc.save_state(folder)
+    out = {
+        "losses": losses,
+        "weights": acc.get_state_dict(model),
+        "lr": sched.get_last_lr()[0],
+        "strategy": acc.strategy,
+        "accumulation": acc.gradient_accumulation_steps,
+    }
+    if kind == "zero3" and folder:
+        inner = acc.unwrap_model(model)
+        out["local_numel"] = sum(p.numel() for p in inner.parameters())
+        acc.save_model(model, f"{folder}/model")
+    if resume:
+        acc, model, opt, dl, sched = build()
+        acc.load_state(folder)
+        resumed: list[float] = []
+        epoch(acc, model, opt, dl, sched, resumed)
+        out.update(resumed=resumed, resumed_weights=acc.get_state_dict(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("deepspeed")
+
+    def all_kinds(root: str) -> dict:
+        out = {"ddp": train("ddp")}
+        for kind in ("zero1", "zero2", "zero3"):
+            out[kind] = train(kind, folder=f"{root}/{kind}", resume=kind != "zero1")
+        return out
+
+    return {
+        "root": root,
+        **nbaccel.notebook_launcher(all_kinds, args=(str(root),), num_processes=2, progress=False),
+    }
+
+
+def _close(a: dict, b: dict, atol: float = TOL) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key].float(), b[key].float(), atol=atol, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3"])
+def test_zero_stages_train_like_ddp(runs, kind):
+    ddp, ds = runs["ddp"], runs[kind]
+    assert ds["strategy"] == "deepspeed" and ds["accumulation"] == 2
+    assert len(ds["losses"]) == len(ddp["losses"]) == 8  # 2 epochs x 4 batches per rank
+    assert ds["losses"] == pytest.approx(ddp["losses"], abs=TOL)
+    assert ds["losses"][-1] < ds["losses"][0]  # it learned something
+    assert ds["lr"] == pytest.approx(ddp["lr"])  # the scheduler stepped as under DDP
+    _close(ds["weights"], ddp["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["zero2", "zero3"])
+def test_resume_from_checkpoint_continues_the_same_run(runs, kind):
+    r = runs[kind]
+    # The resumed second epoch repeats the uninterrupted one: weights, optimizer, scheduler,
+    # RNG and loader position all came back.
+    assert r["resumed"] == pytest.approx(r["losses"][4:], abs=1e-6)
+    _close(r["resumed_weights"], r["weights"], atol=1e-6)
+    files = {p.name for p in (runs["root"] / kind / "model_0").rglob("*")}
+    assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files  # fmt: skip
+
+
+@pytest.mark.slow
+def test_save_model_under_zero3_writes_the_full_weights(runs):
+    from safetensors.torch import load_file
+
+    r = runs["zero3"]
+    assert r["local_numel"] < 16 * 4 + 16 + 16 + 1  # each rank holds only its shard
+    saved = load_file(str(runs["root"] / "zero3" / "model" / "model.safetensors"))
+    _close(saved, r["weights"], atol=0)  # the gathered weights, bitwise
+    _close(saved, runs["zero1"]["weights"])  # which are the unsharded run's
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {repo!r})
+    from tests.test_deepspeed import train
+    out = train(kind=sys.argv[1])
+    out["weights"] = {{k: v.tolist() for k, v in out["weights"].items()}}
+    out["env"] = {{k: v for k, v in os.environ.items() if k.startswith("NBACCEL_DEEPSPEED")}}
+    with open(os.path.join(sys.argv[2], f"rank{{os.environ['RANK']}}.json"), "w") as f:
+        json.dump(out, f)
+    """
+)
+
+
+@pytest.mark.slow
+def test_under_nbaccel_launch_and_plain_torchrun(tmp_path, runs):
+    from tests.test_cli_support import run_cli
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(repo=str(REPO)))
+    config = tmp_path / "cfg.yaml"
+    # The plugin in train() sets the stage; the config's clipping must reach the ranks' env.
+    LaunchConfig(num_processes=2, strategy="deepspeed", deepspeed_gradient_clipping=1.0).save(
+        config
+    )
+    (tmp_path / "cli").mkdir()
+    result = run_cli(
+        "launch", "--config_file", str(config), str(script), "zero2", str(tmp_path / "cli"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    cli = json.loads((tmp_path / "cli" / "rank1.json").read_text())
+    assert cli["env"] == {"NBACCEL_DEEPSPEED_GRADIENT_CLIPPING": "1.0"}
+    assert cli["losses"] == pytest.approx(runs["zero2"]["losses"], abs=TOL)
+
+    (tmp_path / "torchrun").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
+    env.update(OMP_NUM_THREADS="1", NBACCEL_NO_WARMUP="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    cmd += [str(script), "zero3", str(tmp_path / "torchrun")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "torchrun" / "rank0.json").read_text())
+    assert out["losses"] == pytest.approx(runs["ddp"]["losses"], abs=TOL)
