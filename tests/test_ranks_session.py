@@ -66,6 +66,13 @@ def test_call_pull_push(ranks):
     assert ranks.names["t"] == "Tensor" and ranks.names["weights"] == "list"
     with pytest.raises(CellError, match="name 'nope' is not defined"):
         ranks.pull("nope")
+    # A pulled model is a copy: the rank's own model stays where it was (and stays trainable).
+    ranks.run("net = torch.nn.Linear(2, 1)\nnet.weight.data.fill_(1.0)\nNone")
+    first, _ = ranks.pull("net")
+    first.weight.data.fill_(5.0)
+    assert ranks.run("net.weight.sum().item()") == [2.0, 2.0]
+    # A final value that cannot be pickled still shows; run() gives its repr.
+    assert ranks.run("(i for i in range(3))")[0].startswith("<generator object <genexpr>")
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import linecache
 import os
 import pickle
@@ -101,13 +102,43 @@ def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int
             namespace["_"] = value
             done.value_repr = _safe_repr(value)
         if value is not None and (command.kind != "run" or command.want_value):
-            done.value = pickling.dumps(entry._to_cpu(value))
+            done.value = _pickle_value(value, command.kind)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
         done.interrupted = isinstance(exc, KeyboardInterrupt) and cell.interrupted
         done.failure = _failure(exc, rank)
     done.names = _summary(namespace)
     done.device, done.gpu_memory = _device()
     return done
+
+
+def _pickle_value(value: Any, kind: str) -> bytes:
+    """The value for the kernel, on the CPU, without touching the rank's own objects.
+
+    A model is copied before it is moved (``.cpu()`` moves a module in place, which would take
+    the rank's model off its GPU). A "run" value that cannot be pickled comes back as its repr:
+    the cell itself worked; only "call" and "pull", which ask for the value, fail on it.
+    """
+    if _has_module(value):
+        value = copy.deepcopy(value)
+    try:
+        return pickling.dumps(entry._to_cpu(value))
+    except Exception:
+        if kind != "run":
+            raise
+        return pickling.dumps(_safe_repr(value))
+
+
+def _has_module(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    if isinstance(value, torch.nn.Module):
+        return True
+    if isinstance(value, dict):
+        return any(_has_module(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_module(v) for v in value)
+    return False
 
 
 def _dispatch(command: Command, namespace: dict[str, Any], done: Done) -> Any:
