@@ -239,8 +239,9 @@ class Ranks:
     ) -> list[Any]:
         """Run ``code`` on every (or the listed) rank; return each rank's final-expression value.
 
-        With ``values=False`` the values stay on the ranks and their ``repr`` strings are
-        returned instead (what ``%%ranks`` shows as ``[rankN] Out:``).
+        Values come back on the CPU (models as copies); one that cannot be pickled comes back
+        as its ``repr``. With ``values=False`` the values stay on the ranks and their ``repr``
+        strings are returned instead (what ``%%ranks`` shows as ``[rankN] Out:``).
 
         Example::
 
