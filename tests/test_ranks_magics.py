@@ -195,6 +195,10 @@ def test_names_on_the_ranks_complete_with_tab_and_status_lists_ranks(ranks):
     ranks.client.complete("rank_only_m", 11)
     reply = ranks.client.get_shell_msg(timeout=30)
     assert "rank_only_model" in reply["content"]["matches"]
+    types = reply["content"]["metadata"].get("_jupyter_types_experimental", [])
+    assert {"text": "rank_only_model", "type": "Linear"}.items() <= next(
+        t for t in types if t["text"] == "rank_only_model"
+    ).items()
     cell = ranks.execute("%ranks status")
     text = cell.results[-1]["text/plain"]
     assert "idle" in text and "cpu" in text and "MiB" in text

@@ -198,11 +198,19 @@ class RanksMagics(Magics):
             return lines
         return ["%%ranks\n", *lines]
 
-    def complete(self, text: str) -> list[str]:
-        """Tab completion of the names defined on the ranks (from the last cell's summary)."""
-        if self.session is None or "." in text:
-            return []
-        return sorted(n for n in self.session.names if n.startswith(text))
+    def complete(self, context: Any) -> dict[str, Any]:
+        """Tab completion of the names defined on the ranks, with their types (IPython's
+        matcher API v2; the kernel keeps each rank's name -> type summary after each cell)."""
+        from IPython.core.completer import SimpleCompletion
+
+        text = context.token
+        names = self.session.names if self.session is not None and "." not in text else {}
+        found = [
+            SimpleCompletion(n, type=t) for n, t in sorted(names.items()) if n.startswith(text)
+        ]
+        return {"completions": found, "suppress": False}
+
+    complete.matcher_api_version = 2  # what IPython's completion_matcher decorator would set
 
 
 def register(shell: Any) -> RanksMagics:
