@@ -54,6 +54,10 @@ def test_run_keeps_each_ranks_namespace(ranks):
     assert ranks.run("x", values=False) == ["1", "2"]
     assert ranks.run("x", ranks=[1]) == [2]
     assert ranks.run("accelerator.num_processes, dist.get_backend()") == [(2, "gloo")] * 2
+    # A persistent rank is a rank: the kernel side (launch, views, IPython) never loads there.
+    kernel_side = ("nbaccel.launch", "nbaccel.ui", "IPython", "ipywidgets", "ipykernel")
+    loaded = ranks.run(f"import sys\n[m for m in sys.modules if m.startswith({kernel_side!r})]")
+    assert loaded == [[], []]
 
 
 @pytest.mark.slow
