@@ -32,6 +32,7 @@ _LAZY = {
     "RankFailedError": "nbaccel.core.errors",
     "Accelerator": "nbaccel.training.accelerator",
     "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",
+    "DeepSpeedPlugin": "nbaccel.training.deepspeed_plugin",
     "set_seed": "nbaccel.training.random",
     # Accelerate's top-level names (more under nbaccel.utils, its accelerate.utils).
     "PartialState": "nbaccel.training.shared_state",

@@ -34,7 +34,7 @@ EXCLUDED = {
         "pipeline_parallel_rank",
         "maybe_context_parallel",
     ],
-    "DeepSpeed (nbaccel has no DeepSpeed strategy; deepspeed_plugin stays None)": [
+    "DeepSpeed internals (nbaccel's engine lives in its DeepSpeed strategy; no Ulysses)": [
         "deepspeed_engine_wrapped",
         "deepspeed_ulysses_dl_adapter",
     ],

@@ -30,8 +30,8 @@ def test_backward_before_prepare_is_refused():
 
 
 def test_unknown_strategy_and_precision_are_named():
-    with pytest.raises(ValueError, match=r"strategy='deepspeed' is not known; choose one of"):
-        Accelerator(strategy="deepspeed")
+    with pytest.raises(ValueError, match=r"strategy='megatron' is not known; choose one of"):
+        Accelerator(strategy="megatron")
     with pytest.raises(ValueError, match=r"mixed_precision='fp4'"):
         Accelerator(mixed_precision="fp4")
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):

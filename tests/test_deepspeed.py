@@ -128,6 +128,71 @@ def test_launch_config_carries_deepspeed_settings_to_the_ranks(tmp_path):
         LaunchConfig(deepspeed_offload_param_device="gpu")
 
 
+def test_cli_flags_and_questions_fill_the_deepspeed_fields(tmp_path):
+    from nbaccel.cli.launch import resolve_config
+    from nbaccel.cli.main import build_parser
+    from tests.test_cli_support import run_cli
+
+    flags = ["launch", "--config_file", str(LaunchConfig().save(tmp_path / "c.yaml"))]
+    flags += ["--use_deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "CPU"]
+    flags += ["--zero3_save_16bit_model", "true", "--gradient_clipping", "0.5", "train.py"]
+    cfg = resolve_config(build_parser().parse_args(flags))
+    assert (cfg.strategy, cfg.deepspeed_zero_stage) == ("deepspeed", 3)
+    assert cfg.deepspeed_offload_optimizer_device == "cpu"
+    assert cfg.deepspeed_zero3_save_16bit_model is True
+    assert cfg.deepspeed_gradient_clipping == 0.5
+
+    # machines, processes, precision, strategy, accumulation, ZeRO stage, optimizer offload
+    answers = "1\n2\nno\ndeepspeed\n1\n3\ncpu\n"
+    target = tmp_path / "asked.yaml"
+    result = run_cli("config", "--config_file", str(target), cwd=tmp_path, stdin=answers)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cfg = LaunchConfig.load(target)
+    assert (cfg.strategy, cfg.deepspeed_zero_stage) == ("deepspeed", 3)
+    assert cfg.deepspeed_offload_optimizer_device == "cpu"
+
+
+ONE_PROCESS = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    from nbaccel import Accelerator, DeepSpeedPlugin, DistributedType
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)   # not in DeepSpeed's tested list
+    x = torch.randn(32, 4)
+    dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+    model, opt, dl = acc.prepare(model, opt, dl)
+    losses = []
+    for _ in range(3):
+        for xb, yb in dl:
+            loss = F.mse_loss(model(xb.to(torch.bfloat16)).float(), yb)
+            acc.backward(loss)
+            opt.step(); opt.zero_grad()
+            losses.append(loss.item())
+    engine = acc.prepared().strategy.engine
+    print("RESULT", acc.mixed_precision, acc.distributed_type == DistributedType.DEEPSPEED,
+          engine.bfloat16_enabled(), next(model.parameters()).dtype,
+          losses[-1] < losses[0] / 2, acc.get_state_dict(model)["weight"].dtype)
+    """
+)
+
+
+@pytest.mark.slow
+def test_one_process_in_the_kernel_with_bf16():
+    # What a notebook cell does without notebook_launcher: no torchrun variables, one rank.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NBACCEL_", "RANK", "WORLD"))}
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_PROCESS],
+        capture_output=True, text=True, env=env, timeout=240, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == ["RESULT bf16 True True torch.bfloat16 True torch.bfloat16"], out.stdout
+
+
+@pytest.mark.slow
 def test_missing_deepspeed_is_a_clear_error():
     code = textwrap.dedent(
         """

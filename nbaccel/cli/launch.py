@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nbaccel.core import fsdp_settings, hardware, rendezvous
+from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
 from nbaccel.core.config import LaunchConfig
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.core.failures import describe_exit, describe_raise
@@ -58,6 +58,7 @@ def resolve_config(args: argparse.Namespace) -> LaunchConfig:
         rdzv_backend=args.rdzv_backend,
         max_restarts=args.max_restarts,
         **{k: getattr(args, k, None) for k in fsdp_settings.ENV},  # validated by LaunchConfig
+        **{k: getattr(args, k, None) for k in deepspeed_settings.ENV},
     )
 
 

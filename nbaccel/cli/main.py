@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from nbaccel.core import fsdp_settings
+from nbaccel.core import deepspeed_settings, fsdp_settings
 from nbaccel.core.config import (
     MIXED_PRECISION_CHOICES,
     RDZV_BACKEND_CHOICES,
@@ -181,6 +181,15 @@ def _ask_and_write(path: Path) -> int:
         )
     if change_fsdp == "yes":
         values.update(_ask_fsdp(current))
+    if values["strategy"] == "deepspeed":
+        values["deepspeed_zero_stage"] = _ask(
+            "DeepSpeed ZeRO stage (0/1/2/3)?", current.deepspeed_zero_stage, _integer(0, 3)
+        )
+        values["deepspeed_offload_optimizer_device"] = _ask(
+            f"Offload the optimizer state to ({'/'.join(deepspeed_settings.OFFLOAD_DEVICES)})?",
+            current.deepspeed_offload_optimizer_device,
+            _choice(deepspeed_settings.OFFLOAD_DEVICES),
+        )
     cfg = dataclasses.replace(current, **values)  # validates the whole config again
     print(f"wrote {cfg.save(path)}")
     return 0
@@ -252,6 +261,24 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
         fsdp.add_argument(f"--fsdp_{flag}", metavar="true|false")
     fsdp.add_argument(
         "--fsdp_state_dict_type", type=str.upper, choices=fsdp_settings.STATE_DICT_CHOICES
+    )
+    ds = p.add_argument_group(
+        "DeepSpeed (with --strategy deepspeed; names as in `accelerate launch`)"
+    )
+    ds.add_argument("--use_deepspeed", dest="strategy", action="store_const", const="deepspeed")
+    ds.add_argument("--zero_stage", dest="deepspeed_zero_stage", type=int, choices=(0, 1, 2, 3))
+    ds.add_argument("--gradient_clipping", dest="deepspeed_gradient_clipping", type=float)
+    for flag in ("offload_optimizer_device", "offload_param_device"):
+        ds.add_argument(
+            f"--{flag}",
+            dest=f"deepspeed_{flag}",
+            type=str.lower,
+            choices=deepspeed_settings.OFFLOAD_DEVICES,
+        )
+    for flag in ("zero3_init_flag", "zero3_save_16bit_model"):
+        ds.add_argument(f"--{flag}", dest=f"deepspeed_{flag}", metavar="true|false")
+    ds.add_argument(
+        "--deepspeed_config_file", help="a DeepSpeed JSON config ('auto' values filled)"
     )
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", help="the training script (or module with -m)")

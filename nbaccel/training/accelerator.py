@@ -131,6 +131,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             mixed_precision=self._precision.name,
             strategy=self._strategy.name,
             fsdp_plugin=fsdp_plugin,
+            deepspeed_plugin=getattr(self._strategy, "plugin", None)
+            if strategy == "deepspeed"
+            else None,
         )
         self._gs = GradientState(accumulation_steps=opts.steps)
         self.gradient_state = self._gs  # Accelerate's public name for the same object

@@ -19,6 +19,8 @@ import copy
 import dataclasses
 import json
 import os
+import sys
+import warnings
 from typing import Any
 
 from nbaccel.core import deepspeed_settings as settings
@@ -32,6 +34,35 @@ _FIELDS = {  # plugin field -> LaunchConfig field (and so NBACCEL_DEEPSPEED_* va
     "zero3_save_16bit_model": "deepspeed_zero3_save_16bit_model",
     "hf_ds_config": "deepspeed_config_file",
 }
+
+
+# DeepSpeed calls torch.distributed functions that torch 2.13 marks deprecated; the warnings
+# repeat on every step and nobody but DeepSpeed can act on them.
+_NOISE = r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
+
+
+def import_deepspeed(cpu: bool) -> Any:
+    """``import deepspeed`` set up for this process, or an ImportError that says how to install.
+
+    Example::
+
+        deepspeed = import_deepspeed(cpu=True)   # DS_ACCELERATOR=cpu unless already chosen
+    """
+    if cpu and "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, when deepspeed is imported
+    try:
+        import deepspeed
+        import deepspeed.ops
+    except ImportError as exc:
+        raise ImportError(
+            f"strategy='deepspeed' needs the deepspeed package, which cannot be imported in "
+            f"{sys.executable} ({exc}). Install it with: pip install 'nbaccel[deepspeed]'"
+        ) from exc
+    if cpu and os.environ.get("NBACCEL_DEEPSPEED_SHM_COMM", "") not in ("1", "true"):
+        # Only inference_all_reduce uses this op; without it training needs no compiler.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    warnings.filterwarnings("ignore", message=_NOISE, category=FutureWarning)
+    return deepspeed
 
 
 @dataclasses.dataclass
@@ -133,9 +164,11 @@ class DeepSpeedPlugin:
 
         if not (self.zero3_init_flag and self.zero_stage_in_config == 3):
             return contextlib.nullcontext()
-        from nbaccel.training.strategies.deepspeed import import_deepspeed
+        import torch
 
-        return import_deepspeed().zero.Init(config_dict_or_path=self.deepspeed_config)
+        return import_deepspeed(cpu=not torch.cuda.is_available()).zero.Init(
+            config_dict_or_path=self.deepspeed_config
+        )
 
 
 def fill_auto(

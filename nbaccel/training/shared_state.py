@@ -102,12 +102,14 @@ class AcceleratorState(PartialState):
     mixed_precision = property(lambda self: _SHARED.get("mixed_precision", "no"))
     strategy = property(lambda self: _SHARED.get("strategy", "ddp"))
     fsdp_plugin = property(lambda self: _SHARED.get("fsdp_plugin"))
-    deepspeed_plugin = property(lambda self: None)
+    deepspeed_plugin = property(lambda self: _SHARED.get("deepspeed_plugin"))
 
     @property
     def distributed_type(self) -> DistributedType:
         if self.distributed and self.strategy == "fsdp":
             return DistributedType.FSDP
+        if self.strategy == "deepspeed":  # as Accelerate: DEEPSPEED on one process too
+            return DistributedType.DEEPSPEED
         return super().distributed_type
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ class DistributedType(str, enum.Enum):
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
     FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
 
 
 @dataclasses.dataclass(frozen=True)

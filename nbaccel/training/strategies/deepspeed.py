@@ -21,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,37 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin, fill_auto
+from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin, fill_auto, import_deepspeed
 from nbaccel.training.precision import Precision
 from nbaccel.training.strategies.base import PreparedOptimizer, Strategy
-
-# DeepSpeed calls torch.distributed functions that torch 2.13 marks deprecated; the warnings
-# repeat on every step and nobody but DeepSpeed can act on them.
-_NOISE = r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
-
-
-def import_deepspeed(cpu: bool = True) -> Any:
-    """``import deepspeed`` set up for this process, or an ImportError that says how to install.
-
-    Example::
-
-        deepspeed = import_deepspeed(cpu=True)   # DS_ACCELERATOR=cpu unless already chosen
-    """
-    if cpu and "deepspeed" not in sys.modules:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, when deepspeed is imported
-    try:
-        import deepspeed
-        import deepspeed.ops
-    except ImportError as exc:
-        raise ImportError(
-            f"strategy='deepspeed' needs the deepspeed package, which cannot be imported in "
-            f"{sys.executable} ({exc}). Install it with: pip install 'nbaccel[deepspeed]'"
-        ) from exc
-    if cpu and os.environ.get("NBACCEL_DEEPSPEED_SHM_COMM", "") not in ("1", "true"):
-        # Only inference_all_reduce uses this op; without it training needs no compiler.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    warnings.filterwarnings("ignore", message=_NOISE, category=FutureWarning)
-    return deepspeed
 
 
 class DeepSpeedOptimizer(PreparedOptimizer):
@@ -200,6 +171,8 @@ class DeepSpeedStrategy(Strategy):
         return engine
 
     def _ensure_process_group(self) -> None:
+        # DeepSpeed's engine insists on LOCAL_RANK, which a notebook kernel does not have.
+        os.environ.setdefault("LOCAL_RANK", str(self.state.local_process_index))
         if dist.is_initialized():
             return
         # One process (the kernel itself): DeepSpeed still needs a group; an in-memory store
