@@ -147,3 +147,31 @@ def screenshot(page: Any, name: str) -> Path:
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+def write_notebook(path: Path, cells: list[str]) -> Path:
+    """A notebook of code ``cells`` for the python3 kernel."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+def run_all_cells(page: Any, lab: JupyterLab, name: str) -> None:
+    """Open notebook ``name`` in JupyterLab, wait for its kernel, and start running every cell
+    (not awaited: the command's promise only settles once every cell has run)."""
+    page.goto(lab.url(f"lab/tree/{name}"))
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
+    page.wait_for_function(
+        "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+        " const k = w && w.sessionContext && w.sessionContext.session"
+        " && w.sessionContext.session.kernel; return !!k && k.status === 'idle'; }"
+    )
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")

@@ -5,7 +5,6 @@ Screenshots go to test-artifacts/browser/ (git-ignored).
 
 from __future__ import annotations
 
-import nbformat
 import pytest
 
 from tests import browser_helpers as bh
@@ -75,14 +74,7 @@ def show(page, selector: str) -> None:
 
 
 def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in (SETUP, LAUNCH, STALL, FAIL)]
-    nbformat.write(nb, tmp_path / "launch.ipynb")
+    bh.write_notebook(tmp_path / "launch.ipynb", [SETUP, LAUNCH, STALL, FAIL])
     config_file = tmp_path / "nbaccel.yaml"
     from nbaccel.core.config import LaunchConfig
 
@@ -92,27 +84,14 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
     with bh.JupyterLab(tmp_path, env=env) as lab, bh.chromium_page() as page:
         try:
             page.set_default_timeout(90_000)
-
-            page.goto(lab.url("lab/tree/launch.ipynb"))
-            page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
-            page.wait_for_function(
-                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                " && window.jupyterapp.shell.currentWidget.sessionContext"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'"
-            )
-            # Not awaited: the command's promise only settles once every cell has run.
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            bh.run_all_cells(page, lab, "launch.ipynb")
 
             hardware = page.wait_for_selector(".nbaccel-config .nbaccel-hardware")
             assert "CPU:" in hardware.inner_text()
             assert page.locator(".nbaccel-config button:has-text('bf16')").count() == 1
             assert page.locator(".nbaccel-config button:has-text('fp8')").is_disabled()
             labels = page.locator(".nbaccel-config .widget-label").all_inner_texts()
-            assert (
-                "gradient accumulation steps" in labels
-            )  # whole, not "gradient accumulation st..."
+            assert "gradient accumulation steps" in labels  # not "gradient accumulation st..."
 
             # The live view: a run line, a rate on every running rank, a straggler, the tail.
             page.wait_for_selector(".nbaccel-live tr.nbaccel-rank[data-status='running']")
@@ -146,22 +125,22 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
             stall = page.wait_for_selector(".nbaccel-live .nbaccel-stall:has-text('waiting in')")
             assert "no rank has advanced" in stall.inner_text()
             assert "rank 1: waiting in barrier" in stall.inner_text()
+            assert "rank 0: in wait_in_barrier, Cell In[3], line 8" in stall.inner_text()
             show(page, ".nbaccel-live")
             bh.screenshot(page, "stall")
 
             # A failure: the red row, and the rank's traceback as IPython shows a local one.
-            page.wait_for_selector(".jp-OutputArea-output:has-text('Cell In[')")
+            stderr = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+            page.wait_for_selector(f"{stderr}:has-text('RankFailedError'):has-text('Cell In[')")
             failed = page.locator(".nbaccel-summary tr.nbaccel-rank[data-status='failed']")
             assert failed.count() == 1 and failed.get_attribute("data-rank") == "1"
             colour = failed.locator("td").nth(1).evaluate("td => getComputedStyle(td).color")
             assert colour == "rgb(207, 34, 46)", colour
-            error = page.locator(
-                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-            ).last.inner_text()
+            error = page.locator(stderr).last.inner_text()
             assert "in rank 1:" in error and "in broken_step()" in error, error
             assert 'return batch["missing"]' in error and "KeyError" in error
             assert "relay.py" not in error and "ipykernel_" not in error
-            show(page, ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+            show(page, stderr)
             bh.screenshot(page, "failure")
             assert page.locator(".nbaccel-live").count() == 0  # every live widget gave way
         except Exception:
