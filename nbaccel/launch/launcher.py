@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nbaccel.core import shared_tensors
 from nbaccel.core.config import LaunchConfig
 from nbaccel.core.launch_state import LaunchState, RankState
 from nbaccel.launch.forkserver import ensure_server
@@ -76,10 +77,13 @@ def notebook_launcher(
         env=env,
         return_all=return_all,
     )
-    payloads = run_plan(plan, view if view is not None else choose_view(progress), preload)
-    if return_all:
-        return [load_payload(s.rank, payloads.get(s.rank)) for s in plan.specs]
-    return load_payload(0, payloads.get(0)) if node_rank == 0 else None
+    try:
+        payloads = run_plan(plan, view if view is not None else choose_view(progress), preload)
+        if return_all:
+            return [load_payload(s.rank, payloads.get(s.rank)) for s in plan.specs]
+        return load_payload(0, payloads.get(0)) if node_rank == 0 else None
+    finally:  # shared memory of arguments and of results that were never loaded
+        shared_tensors.release(plan.specs[0].transfer if plan.specs else None)
 
 
 def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbaccel.core import capabilities, hardware, pickling, rendezvous
+from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int
 from nbaccel.core.events import RankSpec
 from nbaccel.core.launch_state import LaunchInfo
@@ -67,7 +67,7 @@ def resolve_plan(
     gpus = hardware.detect().gpus
     capabilities.check_precision(cfg.mixed_precision, gpus)
     port = _resolve_port(use_port, master_addr, node_rank, num_nodes)
-    function_bytes, arg_bytes, kwarg_bytes = _serialize(function, args, kwargs)
+    function_bytes, arg_bytes, kwarg_bytes, transfer = _serialize(function, args, kwargs)
 
     info = LaunchInfo(
         world_size=nprocs * num_nodes,
@@ -102,6 +102,7 @@ def resolve_plan(
             sys_path=list(sys.path),
             cwd=os.getcwd(),
             rng_state=rng_state,
+            transfer=transfer,
         )
         for local in range(nprocs)
     ]
@@ -201,8 +202,9 @@ def _resolve_port(use_port: int | str, master_addr: str, node_rank: int, num_nod
 
 def _serialize(
     function: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
-) -> tuple[bytes, list[bytes], dict[str, bytes]]:
-    """Cloudpickle the function and each argument on its own, so an error names the culprit."""
+) -> tuple[bytes, list[bytes], dict[str, bytes], shared_tensors.Transfer]:
+    """Cloudpickle the function and each argument on its own, so an error names the culprit;
+    large tensors and arrays go into one shared-memory block for all ranks (shared_tensors)."""
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(f"args must be a tuple or list of arguments, got {type(args).__name__}.")
     name = getattr(function, "__qualname__", repr(function))
@@ -215,9 +217,12 @@ def _serialize(
             "that object inside the function instead."
         ) from exc
 
+    shared_tensors.sweep_stale()
+    packer = shared_tensors.Packer()
+
     def dump(value: Any, label: str) -> bytes:
         try:
-            return pickling.dumps(value)
+            return packer.dumps(value)
         except Exception as exc:
             raise TypeError(
                 f"{label} ({type(value).__name__}) cannot be sent to the ranks: "
@@ -227,7 +232,7 @@ def _serialize(
 
     arg_bytes = [dump(a, f"args[{i}]") for i, a in enumerate(args)]
     kwarg_bytes = {k: dump(v, f"kwargs[{k!r}]") for k, v in kwargs.items()}
-    return function_bytes, arg_bytes, kwarg_bytes
+    return function_bytes, arg_bytes, kwarg_bytes, packer.seal()
 
 
 def _worker_env(

@@ -16,7 +16,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel.core import events, pickling, processes
+from nbaccel.core import events, pickling, processes, shared_tensors
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import containment, exit, process_setup, reporting, torch_fixes, tqdm_hook, twin
 
@@ -63,10 +63,11 @@ def _report_failure(exc: BaseException, rank: int) -> None:
     )
 
 
-def _pickle_return_value(value: Any, rank: int) -> bytes:
-    """Pickle the return value, or raise a ``TypeError`` that says it is the return value."""
+def _pickle_return_value(value: Any, rank: int, transfer: Any = None) -> bytes:
+    """Pickle the return value (large tensors through shared memory), or raise a ``TypeError``
+    that says it is the return value."""
     try:
-        return pickling.dumps(_to_cpu(value))
+        return shared_tensors.dumps_result(_to_cpu(value), transfer, rank)
     except Exception as exc:
         kind = type(value)
         raise TypeError(
@@ -132,7 +133,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     else:
         if spec.send_result:
             try:
-                payload = _pickle_return_value(value, spec.rank)
+                payload = _pickle_return_value(value, spec.rank, spec.transfer)
             except TypeError as exc:
                 raised = exc
     code, failure = exit.outcome(raised)
