@@ -108,6 +108,12 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
             page.wait_for_selector(".nbaccel-pane[data-rank='0'] span:has-text('line 2')")
             show(page, ".nbaccel-dashboard")
             bh.screenshot(page, "dashboard-live")
+            cut = page.evaluate(
+                "() => [...document.querySelectorAll('.nbaccel-config button,"
+                " .nbaccel-dashboard button')].filter(b => b.scrollWidth > b.clientWidth + 1)"
+                ".map(b => b.innerText)"
+            )
+            assert not cut, f"labels cut short: {cut}"  # e.g. "sh..." or "DEEPS..."
             tail = page.evaluate(PANE_AT_TAIL, 0)
             assert tail["atTail"], f"the pane should show its newest line: {tail}"
 

@@ -142,7 +142,7 @@ class ConfigPanel:
         self.strategy = w.ToggleButtons(
             options=[(s.upper(), s) for s in STRATEGY_CHOICES],
             value=config.strategy,
-            style={"button_width": "6em"},
+            style={"button_width": "auto"},  # whole names ("DEEPSPEED"), not "DEEPS..."
         )
         self.gradient_accumulation_steps = w.BoundedIntText(
             value=config.gradient_accumulation_steps, min=1, max=4096, layout={"width": "8em"}

@@ -105,7 +105,10 @@ class Dashboard:
             return
         self._memory.sample(self._state, force=True)
         self._push(time.monotonic(), final=True)
-        outputs = {r: buf.lines() for r, buf in self._outputs.items()}
+        outputs = {
+            r: ([f"[{buf.dropped:,} earlier lines not kept]"] if buf.dropped else []) + buf.lines()
+            for r, buf in self._outputs.items()
+        }
         bundle = {
             "text/plain": summary_text(self._state, outputs),
             "text/html": summary_html(self._state, outputs, charts=True),
