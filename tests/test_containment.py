@@ -48,9 +48,15 @@ def running(directory: Path) -> list[tuple[int, str]]:
 
 
 def wait_until_none_running(directory: Path, timeout: float = 5.0) -> list[tuple[int, str]]:
+    """What still runs after ``timeout`` seconds; killed, so a failure does not leak it."""
     deadline = time.monotonic() + timeout
     while (left := running(directory)) and time.monotonic() < deadline:
         time.sleep(0.05)
+    for pid, _ in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
     return left
 
 
@@ -102,7 +108,7 @@ def test_processes_left_by_returning_ranks_are_stopped_and_named_once(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = nbaccel.notebook_launcher(
-            start_everything, args=(str(tmp_path),), num_processes=2, return_all=True
+            start_everything, args=(str(tmp_path),), num_processes=2, return_all=True, timeout=60
         )
     assert result == [0, 1]
     assert time.monotonic() - started < 60

@@ -184,10 +184,16 @@ EXPECTED_ERROR = {
 }
 
 
-def trigger_reached(d: Path, phase: str) -> bool:
-    """Whether the launch is where the fault should hit now."""
+def trigger_reached(d: Path, phase: str, launcher: int | None = None) -> bool:
+    """Whether the launch is where the fault should hit now ("warming": ``launcher`` has a
+    fork server, started for this launch, that is still importing)."""
     if phase == "warming":
-        return (d / "called").exists()
+        called = d / "called"
+        return called.exists() and any(
+            not serving(c) and c.create_time() >= called.stat().st_mtime - 0.1
+            for c in psutil.Process(launcher).children()
+            if "multiprocessing.forkserver" in " ".join(c.cmdline())
+        )
     if phase == "returning":
         return (d / "sigterm").exists()
     return all((d / f"{phase}-{rank}").exists() for rank in (0, 1))
@@ -200,7 +206,7 @@ def wait_for(condition, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
-def still_running(d: Path, marker: str, pattern: str = "*.pid") -> list[str]:
+def still_running(d: Path, marker: str, pattern: str = "*.pid") -> list[tuple[int, str]]:
     """Recorded processes (same pid and start time) or marked ones that run, anywhere."""
     left = []
     for f in d.glob(pattern):
@@ -209,12 +215,12 @@ def still_running(d: Path, marker: str, pattern: str = "*.pid") -> list[str]:
             p = psutil.Process(pid)
             same = f.suffix == ".srv" or abs(p.create_time() - float(f.read_text())) < 0.01
             if same and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(f"{f.name}: {' '.join(p.cmdline())[:100]}")
+                left.append((pid, f"{f.name}: {' '.join(p.cmdline())[:100]}"))
         except (psutil.NoSuchProcess, ValueError):
             pass
     for p in psutil.process_iter(["cmdline"]):
         if marker in (p.info["cmdline"] or []) and p.pid != os.getpid():
-            left.append(f"marked {p.pid}")
+            left.append((p.pid, "marked"))
     return left
 
 
@@ -226,7 +232,25 @@ def assert_nothing_left(d: Path, marker: str, with_server: bool = False) -> None
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    for pid, _ in left:  # a failure must not leak them into later tests
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
     assert left == [], f"still running 5 s after the launch ended: {left}"
+
+
+def serving(process: psutil.Process) -> bool:
+    """Whether ``process`` is a fork server that has finished importing: its loop catches
+    SIGCHLD (Linux: the SigCgt mask in /proc), which nothing does while it imports."""
+    try:
+        if "multiprocessing.forkserver" not in " ".join(process.cmdline()):
+            return False
+        status = Path(f"/proc/{process.pid}/status").read_text()
+    except (psutil.Error, OSError):
+        return False
+    caught = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (signal.SIGCHLD - 1)))
 
 
 def record_server(d: Path, parent: int) -> None:
@@ -242,9 +266,11 @@ def record_server(d: Path, parent: int) -> None:
     raise AssertionError("the launching process has no fork server")
 
 
-def fire_when(d: Path, phase: str, action) -> threading.Thread:
+def fire_when(d: Path, phase: str, action, launcher: int | None = None) -> threading.Thread:
     def run():
-        wait_for(lambda: trigger_reached(d, phase))
+        wait_for(lambda: trigger_reached(d, phase, launcher))
+        if phase == "warming":
+            time.sleep(0.3)  # past starting the server: the launch waits for it to import
         action()
 
     thread = threading.Thread(target=run, daemon=True)
@@ -281,13 +307,15 @@ def run_in_kernel(kernel, fault, phase, kind, d: Path, marker: str) -> None:
         (d / f"{preload[0]}.py").write_text("")
         kernel.execute(f"sys.path.insert(0, {str(d)!r})")
     if fault == "stop":
-        fire_when(d, phase, kernel.interrupt)
+        fire_when(d, phase, kernel.interrupt, kernel.pid)
     timeout = TIMEOUT if fault == "timeout" else None
     cell = kernel.execute(
         f"launch({str(d)!r}, {phase!r}, {fault!r}, {kind!r}, {marker!r}, "
         f"timeout={timeout!r}, preload={preload!r})"
     )
     assert cell.error is not None, "the launch should have failed"
+    if phase == "warming":  # Stop did not wait for the server to finish importing
+        assert not any(serving(p) for p in psutil.Process(kernel.pid).children()), cell.error_text
     assert cell.error["ename"] == EXPECTED_ERROR[fault], cell.error_text
     assert "multiprocessing/" not in cell.error_text, cell.error_text  # nor in crash reports
     assert_phase_reached(d, fault, phase)
@@ -326,14 +354,14 @@ def run_in_script(fault, phase, kind, d: Path, marker: str) -> None:
     )
     try:
         if fault == "stop":
-            fire_when(d, phase, lambda: os.kill(driver.pid, signal.SIGINT)).join(120)
+            fire_when(d, phase, lambda: os.kill(driver.pid, signal.SIGINT), driver.pid).join(120)
         elif fault == "script_sigterm":
 
             def terminate() -> None:
                 record_server(d, driver.pid)
                 os.killpg(driver.pid, signal.SIGTERM)
 
-            fire_when(d, phase, terminate).join(120)
+            fire_when(d, phase, terminate, driver.pid).join(120)
         out, _ = driver.communicate(timeout=120)
     finally:
         if driver.poll() is None:
