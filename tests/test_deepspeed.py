@@ -198,10 +198,16 @@ def test_missing_deepspeed_is_a_clear_error():
         """
         import sys
         sys.modules["deepspeed"] = None   # as if not installed
+        import nbaccel
         from nbaccel import Accelerator
         try:
             Accelerator(strategy="deepspeed")
         except ImportError as exc:
+            print(exc)
+        cfg = nbaccel.LaunchConfig(num_processes=2, strategy="deepspeed")
+        try:   # refused in the kernel, before any rank starts
+            nbaccel.notebook_launcher(print, config=cfg)
+        except nbaccel.ConfigError as exc:
             print(exc)
         """
     )
@@ -211,6 +217,16 @@ def test_missing_deepspeed_is_a_clear_error():
     )
     assert "strategy='deepspeed' needs the deepspeed package" in out.stdout, out.stderr[-2000:]
     assert "pip install 'nbaccel[deepspeed]'" in out.stdout
+    assert "strategy='deepspeed': DeepSpeed is not installed in this Python" in out.stdout
+
+
+def test_strategy_verdicts():
+    from nbaccel.core.capabilities import strategy_verdict
+
+    assert strategy_verdict("deepspeed", "bf16", deepspeed=True).allowed
+    assert strategy_verdict("ddp", "no", deepspeed=False).allowed
+    assert "not 'fp8'" in strategy_verdict("deepspeed", "fp8", deepspeed=True).reason
+    assert "pip install" in strategy_verdict("deepspeed", "no", deepspeed=False).reason
 
 
 # -- on 2 ranks ------------------------------------------------------------------------------
@@ -336,6 +352,67 @@ def test_save_model_under_zero3_writes_the_full_weights(runs):
     saved = load_file(str(runs["root"] / "zero3" / "model" / "model.safetensors"))
     _close(saved, r["weights"], atol=0)  # the gathered weights, bitwise
     _close(saved, runs["zero1"]["weights"])  # which are the unsharded run's
+
+
+def variants(case: str) -> dict:
+    """One epoch of plain AdamW steps with a plugin variant: a user JSON whose optimizer section
+    has "auto" values, a model built inside zero3_init_context, or ZeRO-Offload to the CPU."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nbaccel import Accelerator, DeepSpeedPlugin
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
+    if case == "json":
+        optimizer = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+        optimizer["params"]["torch_adam"] = True  # torch's AdamW inside: no compiled op
+        config = {"train_micro_batch_size_per_gpu": "auto", "optimizer": optimizer}
+        plugin = DeepSpeedPlugin(hf_ds_config={**config, "zero_optimization": {"stage": 2}})
+    elif case == "zero3_init":
+        plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True)
+    else:
+        plugin = DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu")
+    acc = Accelerator(deepspeed_plugin=plugin)
+    with plugin.zero3_init_context():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    local_numel = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.02)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    losses = []
+    for xb, yb in dl:
+        loss = F.mse_loss(model(xb), yb)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    strategy = acc.prepared().strategy
+    return {
+        "losses": losses,
+        "local_numel": local_numel,
+        "optimizer": strategy.config.get("optimizer"),
+        "offload": strategy.config["zero_optimization"].get("offload_optimizer"),
+    }
+
+
+@pytest.mark.slow
+def test_user_json_zero3_init_and_cpu_offload_train_the_same():
+    def all_cases() -> dict:
+        return {case: variants(case) for case in ("json", "zero3_init", "offload")}
+
+    r = nbaccel.notebook_launcher(all_cases, num_processes=2, progress=False)
+    # The JSON's "auto"s came from the torch optimizer passed to prepare().
+    assert r["json"]["optimizer"]["params"] == {
+        "lr": 0.05,
+        "weight_decay": 0.02,
+        "torch_adam": True,
+    }
+    assert r["zero3_init"]["local_numel"] == 0  # partitioned while being built
+    assert r["offload"]["offload"] == {"device": "cpu"}
+    for case in ("zero3_init", "offload"):
+        assert r[case]["losses"] == pytest.approx(r["json"]["losses"], abs=TOL)
+    assert r["json"]["losses"][-1] < r["json"]["losses"][0]
 
 
 SCRIPT = textwrap.dedent(

@@ -19,7 +19,12 @@ import dataclasses
 import importlib.util
 from collections.abc import Sequence
 
-from nbaccel.core.config import MIXED_PRECISION_CHOICES, ConfigError, check_choice
+from nbaccel.core.config import (
+    MIXED_PRECISION_CHOICES,
+    STRATEGY_CHOICES,
+    ConfigError,
+    check_choice,
+)
 from nbaccel.core.hardware import GPU
 
 BF16_MIN_CC = (8, 0)
@@ -91,3 +96,40 @@ def check_precision(precision: str, gpus: Sequence[GPU], torchao: bool | None = 
     )
     if not verdict.allowed:
         raise ConfigError(f"mixed_precision={precision!r}: {verdict.reason}")
+
+
+def deepspeed_available() -> bool:
+    """Whether deepspeed can be imported, found without importing it (it is slow to import)."""
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def strategy_verdict(strategy: str, precision: str, deepspeed: bool) -> Verdict:
+    """Can ``strategy`` run with ``precision`` here (``deepspeed``: is the package installed)?
+
+    Example::
+
+        strategy_verdict("deepspeed", "bf16", deepspeed=deepspeed_available()).allowed
+    """
+    check_choice("strategy", strategy, STRATEGY_CHOICES)
+    if strategy != "deepspeed":
+        return Verdict(True)
+    if not deepspeed:
+        return Verdict(
+            False,
+            "DeepSpeed is not installed in this Python; run `pip install 'nbaccel[deepspeed]'`, "
+            "or choose 'fsdp' for sharded training.",
+        )
+    if precision == "fp8":
+        return Verdict(False, "DeepSpeed runs 'bf16' or 'fp16' mixed precision, not 'fp8'.")
+    return Verdict(True)
+
+
+def check_strategy(strategy: str, precision: str, deepspeed: bool | None = None) -> None:
+    """Raise a :class:`ConfigError` with the reason when ``strategy`` cannot run here."""
+    installed = deepspeed_available() if deepspeed is None else deepspeed
+    verdict = strategy_verdict(strategy, precision, installed)
+    if not verdict.allowed:
+        raise ConfigError(f"strategy={strategy!r}: {verdict.reason}")

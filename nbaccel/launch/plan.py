@@ -66,6 +66,7 @@ def resolve_plan(
     method = check_start_method(resolve_start_method(cfg.start_method))
     gpus = hardware.detect().gpus
     capabilities.check_precision(cfg.mixed_precision, gpus)
+    capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
     port = _resolve_port(use_port, master_addr, node_rank, num_nodes)
     function_bytes, arg_bytes, kwarg_bytes, transfer = _serialize(function, args, kwargs)
 

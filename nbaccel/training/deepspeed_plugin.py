@@ -65,6 +65,24 @@ def import_deepspeed(cpu: bool) -> Any:
     return deepspeed
 
 
+def join_process_group(deepspeed: Any, local_rank: int) -> None:
+    """Let DeepSpeed's comm layer use this process's torch.distributed group (made by the
+    Accelerator; a one-rank in-memory group when the kernel runs alone).
+
+    Example::
+
+        join_process_group(import_deepspeed(cpu=True), local_rank=0)
+    """
+    import torch.distributed as dist
+
+    # DeepSpeed's engine insists on LOCAL_RANK, which a notebook kernel does not have.
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if not dist.is_initialized():
+        # An in-memory store: no port, no MPI discovery.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # reuses the existing group
+
+
 @dataclasses.dataclass
 class DeepSpeedPlugin:
     """DeepSpeed settings, as Accelerate's ``DeepSpeedPlugin``.
@@ -162,13 +180,30 @@ class DeepSpeedPlugin:
         """
         import contextlib
 
-        if not (self.zero3_init_flag and self.zero_stage_in_config == 3):
-            return contextlib.nullcontext()
         import torch
 
-        return import_deepspeed(cpu=not torch.cuda.is_available()).zero.Init(
-            config_dict_or_path=self.deepspeed_config
+        from nbaccel.training.shared_state import AcceleratorState
+
+        if not (self.zero3_init_flag and self.zero_stage_in_config == 3):
+            return contextlib.nullcontext()
+        deepspeed = import_deepspeed(cpu=not torch.cuda.is_available())
+        state = AcceleratorState()  # the Accelerator made before the model knows the rest
+        join_process_group(deepspeed, state.local_process_index)
+        # zero.Init parses the whole config but only uses its ZeRO and dtype sections: fill
+        # the batch "auto"s with placeholders and leave optimizer/scheduler to prepare().
+        config = {k: v for k, v in self.deepspeed_config.items() if k not in _TRAINING_ONLY}
+        config = fill_auto(
+            config,
+            micro_batch=1,
+            accumulation_steps=1,
+            world_size=state.num_processes,
+            mixed_precision=state.mixed_precision,
+            gradient_clipping=None,
         )
+        return deepspeed.zero.Init(config_dict_or_path=config)
+
+
+_TRAINING_ONLY = ("optimizer", "scheduler", "train_batch_size", "gradient_accumulation_steps")
 
 
 def fill_auto(

@@ -20,17 +20,20 @@ Example::
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin, fill_auto, import_deepspeed
+from nbaccel.training.deepspeed_plugin import (
+    DeepSpeedPlugin,
+    fill_auto,
+    import_deepspeed,
+    join_process_group,
+)
 from nbaccel.training.precision import Precision
 from nbaccel.training.strategies.base import PreparedOptimizer, Strategy
 
@@ -135,8 +138,7 @@ class DeepSpeedStrategy(Strategy):
     def _initialize(
         self, acc: Any, model: Any, optimizer: Any, scheduler: Any, loaders: list[Any]
     ) -> Any:
-        self._ensure_process_group()
-        self._ds.init_distributed(dist_backend=dist.get_backend())  # reuses the existing group
+        join_process_group(self._ds, self.state.local_process_index)
         config = self.plugin.deepspeed_config
         steps = self.plugin.gradient_accumulation_steps
         if config.get("gradient_accumulation_steps", "auto") != "auto":
@@ -160,6 +162,9 @@ class DeepSpeedStrategy(Strategy):
             )  # DeepSpeed's optimizer, your groups
         elif optimizer is not None:
             filled.setdefault("zero_allow_untested_optimizer", True)  # SGD etc., as Accelerate
+            # ZeRO-Offload would refuse a torch optimizer and ask for DeepSpeedCPUAdam, a
+            # compiled op (~75 s JIT build); pass that optimizer yourself to get its speed.
+            filled.setdefault("zero_force_ds_cpu_optimizer", False)
             kwargs["optimizer"] = optimizer
         if scheduler is not None and "scheduler" in filled:
             raise ValueError(
@@ -169,15 +174,6 @@ class DeepSpeedStrategy(Strategy):
         self.config = filled
         engine, *_ = self._ds.initialize(**kwargs)
         return engine
-
-    def _ensure_process_group(self) -> None:
-        # DeepSpeed's engine insists on LOCAL_RANK, which a notebook kernel does not have.
-        os.environ.setdefault("LOCAL_RANK", str(self.state.local_process_index))
-        if dist.is_initialized():
-            return
-        # One process (the kernel itself): DeepSpeed still needs a group; an in-memory store
-        # avoids ports and MPI discovery.
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     # -- training -----------------------------------------------------------------------------
 
