@@ -98,8 +98,10 @@ class DeepSpeedStrategy(Strategy):
                 ("loader", DataLoader),
             )
         }
+        # An engine forgotten by free_memory() may be replaced; a live one may not.
+        live = self.engine is not None and any(m is self.engine for m in acc._models)
         for kind in ("model", "optimizer", "scheduler"):
-            if len(kinds[kind]) > 1 or kinds[kind] and self.engine is not None:
+            if len(kinds[kind]) > 1 or kinds[kind] and live:
                 raise ValueError(
                     f"DeepSpeed trains one model with one optimizer and scheduler per "
                     f"Accelerator; this prepare() got another {kind}. Use one Accelerator per "
@@ -157,9 +159,8 @@ class DeepSpeedStrategy(Strategy):
         )
         kwargs: dict[str, Any] = {"model": model, "config": filled}
         if optimizer is not None and "optimizer" in filled:
-            kwargs["model_parameters"] = (
-                optimizer.param_groups
-            )  # DeepSpeed's optimizer, your groups
+            # The config's optimizer type over the torch optimizer's parameter groups.
+            kwargs["model_parameters"] = optimizer.param_groups
         elif optimizer is not None:
             filled.setdefault("zero_allow_untested_optimizer", True)  # SGD etc., as Accelerate
             # ZeRO-Offload would refuse a torch optimizer and ask for DeepSpeedCPUAdam, a
