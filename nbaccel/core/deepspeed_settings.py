@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbaccel.core.fsdp_settings import parse_bool  # one spelling of true/false everywhere
+
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
@@ -35,8 +37,6 @@ DEFAULTS: dict[str, Any] = {
     "deepspeed_zero3_save_16bit_model": False,
     "deepspeed_config_file": None,
 }
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 
 
 def zero_stage(value: Any) -> int:
@@ -67,15 +67,6 @@ def clipping(value: Any) -> float | None:
     if isinstance(value, bool) or number <= 0:
         raise ValueError(f"gradient_clipping must be a number > 0 (or None), got {value!r}.")
     return number
-
-
-def parse_bool(name: str, value: Any) -> bool:
-    """``True``/``False``, or a string such as "true", "0", "yes" (environment, command line)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"{name} must be true or false, got {value!r}.")
 
 
 def check_fields(values: dict[str, Any]) -> dict[str, Any]:
