@@ -89,6 +89,8 @@ def train(kind: str, epochs: int = 2, folder: str | None = None, resume: bool = 
         dl = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
         if kind == "ddp":
             acc = Accelerator(gradient_accumulation_steps=2, strategy="ddp")
+        elif kind == "from_launch":  # everything from the launch's NBACCEL_* variables
+            acc = Accelerator()
         else:
             plugin = DeepSpeedPlugin(
                 zero_stage=int(kind[-1]), gradient_accumulation_steps=2, gradient_clipping=1.0
@@ -120,6 +122,7 @@ def train(kind: str, epochs: int = 2, folder: str | None = None, resume: bool = 
         "lr": sched.get_last_lr()[0],
         "strategy": acc.strategy,
         "accumulation": acc.gradient_accumulation_steps,
+        "zero_stage": acc.state.deepspeed_plugin.zero_stage if acc.strategy != "ddp" else None,
     }
     if kind == "zero3" and folder:
         inner = acc.unwrap_model(model)
@@ -273,19 +276,27 @@ def test_under_nbaccel_launch_and_plain_torchrun(tmp_path, runs):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(repo=str(REPO)))
     config = tmp_path / "cfg.yaml"
-    # The plugin in train() sets the stage; the config's clipping must reach the ranks' env.
-    LaunchConfig(num_processes=2, strategy="deepspeed", deepspeed_gradient_clipping=1.0).save(
-        config
-    )
+    # No plugin in the script: strategy, stage, clipping and accumulation come from the file.
+    LaunchConfig(
+        num_processes=2,
+        strategy="deepspeed",
+        gradient_accumulation_steps=2,
+        deepspeed_zero_stage=3,
+        deepspeed_gradient_clipping=1.0,
+    ).save(config)
     (tmp_path / "cli").mkdir()
     result = run_cli(
-        "launch", "--config_file", str(config), str(script), "zero2", str(tmp_path / "cli"),
+        "launch", "--config_file", str(config), str(script), "from_launch", str(tmp_path / "cli"),
         cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     cli = json.loads((tmp_path / "cli" / "rank1.json").read_text())
-    assert cli["env"] == {"NBACCEL_DEEPSPEED_GRADIENT_CLIPPING": "1.0"}
-    assert cli["losses"] == pytest.approx(runs["zero2"]["losses"], abs=TOL)
+    assert cli["env"] == {
+        "NBACCEL_DEEPSPEED_ZERO_STAGE": "3",
+        "NBACCEL_DEEPSPEED_GRADIENT_CLIPPING": "1.0",
+    }
+    assert (cli["strategy"], cli["zero_stage"], cli["accumulation"]) == ("deepspeed", 3, 2)
+    assert cli["losses"] == pytest.approx(runs["zero3"]["losses"], abs=TOL)
 
     (tmp_path / "torchrun").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
