@@ -59,8 +59,11 @@ def import_deepspeed(cpu: bool) -> Any:
             f"{sys.executable} ({exc}). Install it with: pip install 'nbaccel[deepspeed]'"
         ) from exc
     if cpu and os.environ.get("NBACCEL_DEEPSPEED_SHM_COMM", "") not in ("1", "true"):
-        # Only inference_all_reduce uses this op; without it training needs no compiler.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # Only inference_all_reduce uses this op; without it training needs no compiler. (A
+        # DeepSpeed without this table just builds the op: slower, not wrong.)
+        compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+        if isinstance(compatible, dict):
+            compatible["deepspeed_shm_comm"] = False
     warnings.filterwarnings("ignore", message=_NOISE, category=FutureWarning)
     return deepspeed
 
