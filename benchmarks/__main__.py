@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("launch", "steps", "iopub", "failure", "rss", "gpu")
+SECTIONS = ("launch", "steps", "iopub", "failure", "rss", "gpu", "reporting", "transfer", "scaling")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -42,7 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
-    from benchmarks import failure_rss, gpu, harness, iopub, launch_time, report, step_rate
+    from benchmarks import (
+        failure_rss,
+        gpu,
+        harness,
+        iopub,
+        launch_time,
+        report,
+        reporting_cost,
+        scaling,
+        step_rate,
+        transfer,
+    )
 
     results: dict[str, Any] = {
         "machine": harness.machine_info(),
@@ -70,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = failure_rss.run_rss(args.smoke, args.world, scratch)
             elif name == "gpu":
                 results[name] = gpu.run(args.reps, args.smoke)
+            elif name == "reporting":
+                results[name] = reporting_cost.run(args.reps, args.smoke)
+            elif name == "transfer":
+                results[name] = transfer.run(args.reps, args.smoke, args.world)
+            elif name == "scaling":
+                results[name] = scaling.run(args.reps, args.smoke, scratch)
             results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
     finally:
         scratch.close()

@@ -173,4 +173,68 @@ def render(results: dict[str, Any]) -> str:
                 _gpu_row,
                 before=[f"{s['device']}, {s['model']}"],
             )
+    out += render_issue15(results)
     return "\n".join(out) + "\n"
+
+
+def _reporting_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [f"`{e['description']}`", _median(e, "us_per_call", "{:.3f}")]
+
+
+def _transfer_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        _median(e, "argument_s"),
+        _median(e, "argument_extra_s"),
+        _median(e, "result_s"),
+        _median(e, "result_extra_s"),
+    ]
+
+
+def _scaling_row(ranks: list[int], pauses: list[float]) -> Callable[[str, dict], list[str]]:
+    def row(name: str, e: dict[str, Any]) -> list[str]:
+        by_ranks = [_median(e["by_ranks"], str(n)) for n in ranks]
+        by_pause = [_median(e["fresh_kernel_by_pause"], f"{p:g}") for p in pauses]
+        return [name, *by_ranks, *by_pause]
+
+    return row
+
+
+def render_issue15(results: dict[str, Any]) -> list[str]:
+    """Sections 6-8: reporting cost, tensor transfer, scaling with ranks and import pause."""
+    out: list[str] = []
+    if s := results.get("reporting"):
+        out += _section(
+            s,
+            "## 6. Reporting cost inside a rank (µs per call, empty loop subtracted)",
+            ["call", "µs per call/iteration"],
+            _reporting_row,
+            after=[
+                f"progress ÷ tqdm (hooked, paired runs): "
+                f"{_num(s.get('progress_vs_tqdm_hooked_paired'))}; progress ÷ plain tqdm: "
+                f"{_num(s.get('progress_vs_tqdm_plain'))}. Targets: log() ≤ 1 µs, progress ≤ "
+                "tqdm. Sub-microsecond numbers on a shared machine wobble by tens of percent."
+            ],
+        )
+    if s := results.get("transfer"):
+        out += _section(
+            s,
+            f"## 7. Tensor argument/result transfer, {s['world_size']} ranks (s, lower is better)",
+            ["size", "argument → ranks", "extra over 4 B", "result → kernel", "extra over 4 B"],
+            _transfer_row,
+            after=[f"- {e}" for e in s.get("errors_all", [])],
+        )
+    if s := results.get("scaling"):
+        ranks, pauses = s["ranks"], s["pauses_s"]
+        out += _section(
+            s,
+            "## 8. Launch → every rank's first step by rank count (warm kernel), and the first "
+            "launch in a fresh kernel by pause after the import cell (s, lower is better)",
+            [
+                "launcher",
+                *[f"{n} rank(s)" for n in ranks],
+                *[f"fresh, {p:g} s pause" for p in pauses],
+            ],
+            _scaling_row(ranks, pauses),
+        )
+    return out

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.slow  # the whole benchmark runner, end to end
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("launch", "steps", "iopub", "failure", "rss")
+SECTIONS = ("launch", "steps", "iopub", "failure", "rss", "reporting", "transfer", "scaling")
 
 
 def _has_number(entry: dict, keys: tuple[str, ...]) -> bool:
@@ -36,6 +36,9 @@ NUMBER_KEYS = {
     "iopub": ("msgs_per_s", "bytes_per_s"),
     "failure": ("seconds",),
     "rss": ("growth_mib",),
+    "reporting": ("us_per_call",),
+    "transfer": ("argument_s", "result_s"),
+    "scaling": ("first_launch_s",),
 }
 
 
@@ -48,7 +51,7 @@ def test_smoke_run_writes_every_section(tmp_path):
         text=True,
     )
     try:
-        output, _ = proc.communicate(timeout=280)
+        output, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:  # never leave the runner (and its kernels) behind
             for child in psutil.Process(proc.pid).children(recursive=True):
@@ -72,5 +75,5 @@ def test_smoke_run_writes_every_section(tmp_path):
     gpu = results["gpu"]
     assert gpu.get("skipped") or gpu.get("contenders")
     table = (tmp_path / "latest.md").read_text()
-    assert "## 1." in table and "## 4b." in table
+    assert "## 1." in table and "## 4b." in table and "## 8." in table
     assert "## 1." in output  # the table is printed too
