@@ -40,6 +40,11 @@ def test_public_name_still_importable(name):
     assert namespace[name] is getattr(nbaccel, name)
 
 
+@pytest.mark.parametrize("name", sorted(set(nbaccel.__all__) - set(PUBLIC)))
+def test_every_newer_public_name_resolves(name):
+    assert getattr(nbaccel, name) is not None
+
+
 def test_unknown_name_says_so():
     with pytest.raises(AttributeError, match="no attribute 'notebook_launcer'"):
         nbaccel.notebook_launcer  # noqa: B018 - the typo is the point
