@@ -195,7 +195,7 @@ def _scaling_row(ranks: list[int], pauses: list[float]) -> Callable[[str, dict],
     def row(name: str, e: dict[str, Any]) -> list[str]:
         by_ranks = [_median(e["by_ranks"], str(n)) for n in ranks]
         by_pause = [_median(e["fresh_kernel_by_pause"], f"{p:g}") for p in pauses]
-        return [name, *by_ranks, *by_pause]
+        return [name, *by_ranks, *by_pause, _median(e, "import_cell_s")]
 
     return row
 
@@ -234,6 +234,7 @@ def render_issue15(results: dict[str, Any]) -> list[str]:
                 "launcher",
                 *[f"{n} rank(s)" for n in ranks],
                 *[f"fresh, {p:g} s pause" for p in pauses],
+                "import cell (s)",
             ],
             _scaling_row(ranks, pauses),
         )

@@ -5,8 +5,9 @@ kernel as a function of the pause between the import cell and the launch cell.
   torch elastic, warmed), ``train`` in ``mode="raw"`` is launched on 1, 2, 4 and 8 CPU ranks (in a
   rotating order) and timed like section 1: the kernel's clock just before the launcher call → the
   last rank's first optimizer step. 8 ranks on 2 cores is oversubscribed on purpose.
-- fresh kernel: a new kernel runs the import cell (torch, the workload, the contender), waits 0, 1
-  or 5 s (a person reading the next cell), then runs the launch cell once; timed the same way.
+- fresh kernel: a new kernel imports torch and the workload, then runs the contender's import
+  cell (timed: ``import nbaccel`` should add little to it), waits 0, 1 or 5 s (a person reading
+  the next cell), then runs the launch cell once; timed the same way.
   nbaccel starts warming its fork server at ``import nbaccel``, so the pause is when that pays off.
 
 Contenders interleave in a rotating order within each repetition. The machine is shared, so
@@ -15,6 +16,7 @@ compare within a row.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -36,6 +38,7 @@ def run(reps: int, smoke: bool, scratch: H.Scratch) -> dict[str, Any]:
     by_ranks: dict[str, dict[int, list[float]]] = {c: {n: [] for n in ranks} for c in contenders}
     by_pause: dict[str, dict[float, list[float]]] = {c: {p: [] for p in pauses} for c in contenders}
     errors: dict[str, list[str]] = {c: [] for c in contenders}
+    import_s: dict[str, list[float]] = {c: [] for c in contenders}
 
     def timed(session: Any, c: str, world: int) -> float:
         result = H.run_launch(session, c, cfg, world, scratch)
@@ -54,7 +57,8 @@ def run(reps: int, smoke: bool, scratch: H.Scratch) -> dict[str, Any]:
                 errors[c].append(f"ranks: {type(exc).__name__}: {str(exc)[-300:]}")
             for pause in H.rotated([str(p) for p in pauses], rep):
                 try:
-                    with H.kernel([c]) as session:
+                    with H.kernel() as session:  # torch and the workload only
+                        import_s[c].append(_import_cell(session, c))
                         time.sleep(float(pause))
                         by_pause[c][float(pause)].append(timed(session, c, 2))
                 except Exception as exc:  # noqa: BLE001
@@ -76,6 +80,7 @@ def run(reps: int, smoke: bool, scratch: H.Scratch) -> dict[str, Any]:
             "by_ranks": {str(n): H.summary(v) for n, v in by_ranks[c].items()},
             "fresh_kernel_by_pause": {f"{p:g}": H.summary(v) for p, v in by_pause[c].items()},
             "first_launch_s": H.summary(by_pause[c][pauses[0]]),
+            "import_cell_s": H.summary(import_s[c]),
             "errors": errors[c],
         }
     base = out["contenders"].get("nbaccel", {})
@@ -87,3 +92,18 @@ def run(reps: int, smoke: bool, scratch: H.Scratch) -> dict[str, Any]:
             for p, s in entry["fresh_kernel_by_pause"].items()
         }
     return out
+
+
+def _import_cell(session: Any, contender: str) -> float:
+    """Run the contender's import cell in a kernel that has torch; its seconds by the kernel's
+    clock (what the person waits for before the next cell)."""
+    code = (
+        "_t0 = time.time()\n"
+        f"{H.IMPORTS[contender]}\n"
+        f"print({H.MARK!r} + json.dumps({{'s': time.time() - _t0}}), flush=True)\n"
+    )
+    cell = session.execute(code)
+    if cell.error is not None:
+        raise RuntimeError(cell.error_text[-2000:])
+    line = [x for x in cell.stdout.splitlines() if x.startswith(H.MARK)][-1]
+    return float(json.loads(line[len(H.MARK) :])["s"])
