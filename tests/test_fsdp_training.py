@@ -439,3 +439,28 @@ def test_settings_from_nbaccel_launch_config_and_plain_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "torchrun" / "rank1.json").read_text())
     assert out["units"] == [""] and out["bitwise"] and "model_0.pt" in out["files"]
+
+
+def _plugin_seen_by_the_rank() -> tuple[str, bool, str, str]:
+    acc = nbaccel.Accelerator()
+    plugin = acc.fsdp_plugin
+    return (
+        type(plugin).__name__,
+        acc.state.fsdp_plugin is plugin,
+        acc.strategy,
+        plugin.state_dict_type,
+    )
+
+
+@pytest.mark.slow
+def test_a_plugin_from_the_launch_config_is_readable_like_a_passed_one():
+    cfg = LaunchConfig(num_processes=2, strategy="fsdp", fsdp_state_dict_type="SHARDED_STATE_DICT")
+    name, shared, strategy, kind = nbaccel.notebook_launcher(
+        _plugin_seen_by_the_rank, config=cfg, progress=False
+    )
+    assert (name, shared, strategy, kind) == (
+        "FullyShardedDataParallelPlugin",
+        True,
+        "fsdp",
+        "SHARDED_STATE_DICT",
+    )

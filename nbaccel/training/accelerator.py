@@ -126,14 +126,18 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         )
         if self._strategy.name == "deepspeed":  # the engine casts and scales, not autocast
             self._precision = self._strategy.engine_precision(self._precision)
+        # A plugin built from the launch config (NBACCEL_FSDP_*/DEEPSPEED_*) is as real as one
+        # passed in: Accelerate users read it back from here.
+        if self._strategy.name == "fsdp":
+            self.fsdp_plugin = self._strategy.plugin
+        elif self._strategy.name == "deepspeed":
+            self.deepspeed_plugin = self._strategy.plugin
         self.state = AcceleratorState._from(
             process,
             mixed_precision=self._precision.name,
             strategy=self._strategy.name,
-            fsdp_plugin=fsdp_plugin,
-            deepspeed_plugin=getattr(self._strategy, "plugin", None)
-            if strategy == "deepspeed"
-            else None,
+            fsdp_plugin=self.fsdp_plugin,
+            deepspeed_plugin=self.deepspeed_plugin,
         )
         self._gs = GradientState(accumulation_steps=opts.steps)
         self.gradient_state = self._gs  # Accelerate's public name for the same object
@@ -181,7 +185,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     gradient_accumulation_steps = property(lambda self: self._gs.accumulation_steps)
     sync_gradients = property(lambda self: self._gs.sync_gradients)
     scaler = property(lambda self: self._precision.scaler, doc="The fp16 GradScaler, or None.")
-    strategy = property(lambda self: self._strategy.name, doc="'ddp' or 'fsdp' (nbaccel's).")
+    strategy = property(
+        lambda self: self._strategy.name, doc="'ddp', 'fsdp' or 'deepspeed' (nbaccel's)."
+    )
     split_batches = property(lambda self: self.dataloader_config.split_batches)
     even_batches = property(lambda self: self.dataloader_config.even_batches)
     dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
