@@ -186,14 +186,19 @@ EXPECTED_ERROR = {
 
 def trigger_reached(d: Path, phase: str, launcher: int | None = None) -> bool:
     """Whether the launch is where the fault should hit now ("warming": ``launcher`` has a
-    fork server, started for this launch, that is still importing)."""
+    fork server that is still importing)."""
     if phase == "warming":
         called = d / "called"
-        return called.exists() and any(
-            not serving(c) and c.create_time() >= called.stat().st_mtime - 0.1
-            for c in psutil.Process(launcher).children()
-            if "multiprocessing.forkserver" in " ".join(c.cmdline())
-        )
+        if not called.exists():
+            return False
+        for child in psutil.Process(launcher).children():
+            try:
+                # Not serving yet: the new one (one replaced for this launch serves to the end).
+                if "multiprocessing.forkserver" in " ".join(child.cmdline()) and not serving(child):
+                    return True
+            except psutil.Error:  # a child that came and went (exec, a helper)
+                pass
+        return False
     if phase == "returning":
         return (d / "sigterm").exists()
     return all((d / f"{phase}-{rank}").exists() for rank in (0, 1))
