@@ -22,7 +22,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from typing import Any
 
 import psutil
 
@@ -123,24 +123,36 @@ def leftover_warning(processes: list[tuple[int, str, int | None]]) -> str:
     return f"nbaccel stopped {n} process{'es' if n != 1 else ''} the ranks left running: {items}"
 
 
-@contextlib.contextmanager
-def sigint_deferred(reraise: bool = True) -> Iterator[list[bool]]:
+class sigint_deferred:  # noqa: N801 - used like a function: ``with sigint_deferred():``
     """Hold Ctrl-C back while the block runs; with ``reraise``, raise it once the block is done.
 
     Starting a rank must not be cut in half (a rank the fork server forked but whose pid the
-    kernel never learned would run unsupervised). Outside the main thread there is no SIGINT.
+    kernel never learned would run unsupervised), nor must stopping one. ``as`` gives a list
+    that is non-empty once Ctrl-C was pressed. Outside the main thread there is no SIGINT.
+
+    Example::
+
+        with sigint_deferred():
+            process.start()        # a Ctrl-C meanwhile is raised here, after the start
     """
-    received: list[bool] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-    previous = signal.signal(signal.SIGINT, lambda *a: received.append(True))
-    try:
-        yield received
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received and reraise:
-        raise KeyboardInterrupt
+
+    def __init__(self, reraise: bool = True) -> None:
+        self.reraise = reraise
+        self.received: list[bool] = []
+        self._previous: Any = None
+
+    def __enter__(self) -> list[bool]:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, lambda *a: self.received.append(True))
+        return self.received
+
+    def __exit__(self, kind: type | None, *rest: object) -> None:
+        __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if self.received and self.reraise and kind is None:
+            raise KeyboardInterrupt("launch interrupted") from None
 
 
 class LeftoverProcessesWarning(UserWarning):

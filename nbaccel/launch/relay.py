@@ -13,8 +13,6 @@ import contextlib
 import os
 import pickle
 import selectors
-import signal
-import threading
 import time
 import warnings
 from typing import Any
@@ -60,7 +58,7 @@ class Relay:
             self._loop()
         except BaseException:
             self.state.outcome = self.state.outcome or Outcome.INTERRUPTED
-            with _sigint_deferred():
+            with sigint_deferred(reraise=False):  # a second Ctrl-C must not cut cleanup short
                 self.group.stop(grace=STOP_GRACE)
                 self._drain_all()
             raise
@@ -292,20 +290,6 @@ class Relay:
         self._selector.close()
         with contextlib.suppress(Exception):
             self.view.finish()
-
-
-@contextlib.contextmanager
-def _sigint_deferred():
-    """Hold back a second Ctrl-C while ranks are being stopped, so cleanup is not cut short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda *a: received.append(True))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def load_payload(rank: int, payload: bytes | None) -> Any:
