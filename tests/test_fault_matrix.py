@@ -176,6 +176,13 @@ CASES = [
 ]
 TIMEOUT = 5.0  # the launch's timeout= in the timeout cases
 
+# The headline names the rank that was hit, before rank 0's connection error it caused.
+EXPECTED_TEXT = {
+    "stop": "launch interrupted",
+    "rank_sigkill": "rank 1 (of 2) was killed by signal SIGKILL",
+    "rank_segfault": "rank 1 (of 2) was killed by signal SIGSEGV",
+    "timeout": "the launch did not finish within timeout=",
+}
 EXPECTED_ERROR = {
     "stop": "KeyboardInterrupt",
     "rank_sigkill": "RankFailedError",
@@ -322,6 +329,7 @@ def run_in_kernel(kernel, fault, phase, kind, d: Path, marker: str) -> None:
     if phase == "warming":  # Stop did not wait for the server to finish importing
         assert not any(serving(p) for p in psutil.Process(kernel.pid).children()), cell.error_text
     assert cell.error["ename"] == EXPECTED_ERROR[fault], cell.error_text
+    assert cell.error["evalue"].startswith(EXPECTED_TEXT[fault]), cell.error_text
     assert "multiprocessing/" not in cell.error_text, cell.error_text  # nor in crash reports
     assert_phase_reached(d, fault, phase)
     assert_nothing_left(d, marker)
@@ -377,6 +385,7 @@ def run_in_script(fault, phase, kind, d: Path, marker: str) -> None:
         assert_nothing_left(d, marker, with_server=True)
         return
     assert f"RESULT {EXPECTED_ERROR[fault]}" in out, out
+    assert f"{EXPECTED_ERROR[fault]}: {EXPECTED_TEXT[fault]}" in out, out
     assert "multiprocessing/" not in out.split("RESULT", 1)[1].split("NEXT")[0], out
     assert "NEXT 7" in out, out
     assert_phase_reached(d, fault, phase)
