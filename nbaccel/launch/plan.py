@@ -101,13 +101,21 @@ def resolve_plan(
             sources=sources,
             send_result=return_all or info.first_rank + local == 0,
             sys_path=list(sys.path),
-            cwd=os.getcwd(),
+            cwd=_kernel_cwd(),
             rng_state=rng_state,
             transfer=transfer,
         )
         for local in range(nprocs)
     ]
     return LaunchPlan(info, specs, timeout)
+
+
+def _kernel_cwd() -> str | None:
+    """The kernel's working directory; ``None`` when it was deleted (ranks keep the server's)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def kernel_rng_state() -> dict[str, Any]:
