@@ -76,6 +76,15 @@ def start_everything(directory):
     record(directory, sleeper.pid)
     detached = subprocess.Popen(["sleep", "1001"], start_new_session=True)
     record(directory, detached.pid)
+    # A daemon: its own session, and its parent (sh) exits at once, so it is orphaned; the
+    # rank, a subreaper, adopts it.
+    daemon = subprocess.run(
+        ["sh", "-c", "sleep 1002 >/dev/null 2>&1 & echo $!"],
+        start_new_session=True,
+        capture_output=True,
+        text=True,
+    )
+    record(directory, int(daemon.stdout))
     child = multiprocessing.Process(target=_stubborn_child, args=(directory,))  # non-daemon
     child.start()
     loader = DataLoader(
@@ -87,7 +96,7 @@ def start_everything(directory):
     iterator = iter(loader)
     next(iterator)
     start_everything.keep = iterator  # the workers stay alive after the function returns
-    while len(list(Path(directory).glob("*.pid"))) < 5:
+    while len(list(Path(directory).glob("*.pid"))) < 6:
         time.sleep(0.01)
     return int(os.environ["RANK"])
 
@@ -115,7 +124,7 @@ def test_processes_left_by_returning_ranks_are_stopped_and_named_once(tmp_path):
     assert wait_until_none_running(tmp_path) == []
     lines = [str(w.message) for w in caught if issubclass(w.category, LeftoverProcessesWarning)]
     assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert lines[0].count("pid ") == 10  # 5 processes on each of 2 ranks
+    assert lines[0].count("pid ") == 12  # 6 processes on each of 2 ranks
     assert "sleep 1000" in lines[0] and "forked from a rank" in lines[0]
 
 
@@ -130,7 +139,7 @@ def test_processes_of_failed_killed_or_timed_out_ranks_are_stopped(tmp_path, how
             num_processes=2,
             timeout=10 if how == "timeout" else None,
         )
-    assert len(list(tmp_path.glob("*.pid"))) >= 5
+    assert len(list(tmp_path.glob("*.pid"))) >= 6
     assert wait_until_none_running(tmp_path) == []
 
 
@@ -157,7 +166,7 @@ def test_launching_script_killed_takes_every_descendant_with_it(tmp_path, sig):
     # Its own session, as a Jupyter kernel has: a killpg must not reach this test.
     driver = subprocess.Popen([sys.executable, str(script)], env=env, start_new_session=True)
     deadline = time.monotonic() + 120
-    while len(list(pids.glob("*.pid"))) < 10 and time.monotonic() < deadline:
+    while len(list(pids.glob("*.pid"))) < 12 and time.monotonic() < deadline:
         assert driver.poll() is None, "the launching script ended early"
         time.sleep(0.05)
     for helper in psutil.Process(driver.pid).children():  # the fork server must go too
