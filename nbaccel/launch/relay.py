@@ -47,14 +47,14 @@ class Relay:
         self._ended: dict[int, str] = {}  # ranks whose function ended well: "returned", ...
         self._leftovers: list[tuple[int, str, int | None]] = []  # (pid, command, rank)
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
-        self._selector = selectors.DefaultSelector()
+        self.selector = selectors.DefaultSelector()
 
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict[int, bytes | None]:
         self.view.start(self.state)
         try:
-            self._register()
+            self.register()
             self._loop()
         except BaseException:
             self.state.outcome = self.state.outcome or Outcome.INTERRUPTED
@@ -74,23 +74,26 @@ class Relay:
             raise failure
         return self.payloads
 
-    def _register(self) -> None:
+    # -- the pieces a persistent-rank session drives itself (launch/session*.py) -------------
+
+    def register(self) -> None:
+        """Watch every rank's four pipes and exit sentinel."""
         for r in self.group.ranks:
-            self._selector.register(r.stdout.fileno(), selectors.EVENT_READ, (r, "stdout"))
-            self._selector.register(r.stderr.fileno(), selectors.EVENT_READ, (r, "stderr"))
-            self._selector.register(r.diag.fileno(), selectors.EVENT_READ, (r, "diag"))
-            self._selector.register(r.events.fileno(), selectors.EVENT_READ, (r, "events"))
-            self._selector.register(r.sentinel, selectors.EVENT_READ, (r, "exit"))
+            self.selector.register(r.stdout.fileno(), selectors.EVENT_READ, (r, "stdout"))
+            self.selector.register(r.stderr.fileno(), selectors.EVENT_READ, (r, "stderr"))
+            self.selector.register(r.diag.fileno(), selectors.EVENT_READ, (r, "diag"))
+            self.selector.register(r.events.fileno(), selectors.EVENT_READ, (r, "events"))
+            self.selector.register(r.sentinel, selectors.EVENT_READ, (r, "exit"))
 
     def _loop(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while not all(rank.done for rank in self.state.ranks.values()):
-            for key, _ in self._selector.select(TICK):
+            for key, _ in self.selector.select(TICK):
                 rank_process, kind = key.data
                 if kind == "exit":
                     self._on_exit(rank_process)
                 else:
-                    self._read(rank_process, kind)
+                    self.read(rank_process, kind)
             if self._failures:
                 self.group.begin_stop(STOP_GRACE)  # the other ranks; idempotent
             self.group.poll_stop()
@@ -103,7 +106,7 @@ class Relay:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def _read(self, r: RankProcess, kind: str) -> bool:
+    def read(self, r: RankProcess, kind: str) -> bool:
         """Read what is there now on one pipe; report whether anything (or EOF) was read."""
         if kind == "events":
             return self._read_event(r)
@@ -115,7 +118,7 @@ class Relay:
         except OSError:
             data = b""
         if not data:
-            self._unregister(conn.fileno())
+            self.unwatch(conn.fileno())
             if kind != "diag":
                 self._emit_lines(r.rank, kind, self._splitter(r.rank, kind).flush())
             return False
@@ -133,7 +136,7 @@ class Relay:
                 return False
             data = r.events.recv_bytes()
         except (EOFError, OSError):
-            self._unregister(r.events.fileno())
+            self.unwatch(r.events.fileno())
             return False
         self._on_event(pickle.loads(data))
         return True
@@ -145,14 +148,18 @@ class Relay:
         if lines:
             self.view.output(rank, stream, lines)
 
-    def _unregister(self, fd: int) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(fd)
+    def watch(self, fd: int, data: tuple[RankProcess, str]) -> None:
+        """Also wake the loop for ``fd`` (e.g. a session's command connection)."""
+        self.selector.register(fd, selectors.EVENT_READ, data)
 
-    def _drain(self, r: RankProcess) -> None:
+    def unwatch(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(fd)
+
+    def drain(self, r: RankProcess) -> None:
         """Read everything a rank that has exited left in its pipes."""
         for kind in ("events", "stdout", "stderr", "diag"):
-            while self._read(r, kind):
+            while self.read(r, kind):
                 pass
         for stream in ("stdout", "stderr"):
             self._emit_lines(r.rank, stream, self._splitter(r.rank, stream).flush())
@@ -160,7 +167,7 @@ class Relay:
     def _drain_all(self) -> None:
         for r in self.group.ranks:
             with contextlib.suppress(OSError, ValueError):
-                self._drain(r)
+                self.drain(r)
             rank = self.state.ranks[r.rank]
             if not rank.done:
                 rank.status, rank.ended_at = Status.STOPPED, time.monotonic()
@@ -203,8 +210,8 @@ class Relay:
         self._failures.append((rank, error))
 
     def _on_exit(self, r: RankProcess) -> None:
-        self._unregister(r.sentinel)
-        self._drain(r)
+        self.unwatch(r.sentinel)
+        self.drain(r)
         code = self.group.collect_exit(r)
         rank = self.state.ranks[r.rank]
         rank.exitcode, rank.ended_at = code, time.monotonic()
@@ -255,7 +262,7 @@ class Relay:
         running = sorted(r.rank for r in alive)
         before = {r.rank: len(self.state.ranks[r.rank].diag) for r in alive}
         self.group.send_signal(alive, STACK_DUMP_SIGNAL)
-        self._collect_stacks(alive)
+        self.collect_stacks(alive)
         stacks = {
             r.rank: root_cause.without_plumbing(self.state.ranks[r.rank].diag[before[r.rank] :])
             for r in alive
@@ -263,7 +270,7 @@ class Relay:
         self.state.outcome = Outcome.TIMED_OUT
         raise LaunchTimeoutError(self.timeout or 0.0, running, stacks)
 
-    def _collect_stacks(self, alive: list[RankProcess]) -> None:
+    def collect_stacks(self, alive: list[RankProcess]) -> None:
         """Read the ranks' stack dumps: until each has written one and gone quiet, or 2 s.
 
         The dump is written by a C signal handler in one burst; a short quiet period after the
@@ -275,19 +282,19 @@ class Relay:
             now = time.monotonic()
             if all(t is not None and now - t > 0.2 for t in last_data.values()):
                 return
-            for key, _ in self._selector.select(0.05):
+            for key, _ in self.selector.select(0.05):
                 r, kind = key.data
-                if kind == "diag" and r.rank in last_data and self._read(r, "diag"):
+                if kind == "diag" and r.rank in last_data and self.read(r, "diag"):
                     last_data[r.rank] = time.monotonic()
                 elif kind in ("stdout", "stderr", "events"):
-                    self._read(r, kind)
+                    self.read(r, kind)
 
     def _finish(self) -> None:
         self.state.ended_at = time.monotonic()
         for r in self.group.ranks:
             with contextlib.suppress(OSError):
                 r.close_pipes()
-        self._selector.close()
+        self.selector.close()
         with contextlib.suppress(Exception):
             self.view.finish()
 

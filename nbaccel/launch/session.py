@@ -147,7 +147,7 @@ class Ranks:
             self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
             self._group.start()
             self._relay = Relay(self._group, state, CellTextView(), None)
-            self._relay._register()
+            self._relay.register()
             self._connections = accept_ranks(server, self._relay)
             self._set_up()
         except BaseException:
@@ -201,8 +201,8 @@ class Ranks:
         if relay is not None:
             with contextlib.suppress(Exception):
                 for r in group.ranks if group else []:
-                    relay._drain(r)
-            relay._selector.close()
+                    relay.drain(r)
+            relay.selector.close()
         for conn in self._connections.values():
             with contextlib.suppress(OSError):
                 conn.close()

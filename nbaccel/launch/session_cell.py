@@ -130,14 +130,14 @@ class _Follow:
         return self._verdict()
 
     def _step(self) -> None:
-        for key, _ in self.relay._selector.select(TICK):
+        for key, _ in self.relay.selector.select(TICK):
             r, kind = key.data
             if kind == "reply":
                 self._on_reply(r.rank)
             elif kind == "exit":
                 self._on_exit(r.rank)
             else:
-                self.relay._read(r, kind)
+                self.relay.read(r, kind)
         self._check_collectives()
         if (
             self.interrupted_at is not None
@@ -156,7 +156,7 @@ class _Follow:
             message = pickle.loads(self.connections[rank].recv_bytes())
         except (EOFError, OSError):
             with contextlib.suppress(KeyError, ValueError):
-                self.relay._selector.unregister(self.connections[rank].fileno())
+                self.relay.unwatch(self.connections[rank].fileno())
             return  # the exit sentinel tells the rest
         if isinstance(message, Blocked):
             if message.cell == self.command.cell and message.op is not None:
@@ -182,13 +182,13 @@ class _Follow:
         r = self.processes[rank]
         for kind in ("events", "stdout", "stderr"):
             with contextlib.suppress(OSError, ValueError):
-                while self.relay._read(r, kind):
+                while self.relay.read(r, kind):
                     pass
 
     def _on_exit(self, rank: int) -> None:
         r = self.processes[rank]
         with contextlib.suppress(OSError, ValueError):
-            self.relay._drain(r)
+            self.relay.drain(r)
         code = self.relay.group.collect_exit(r)
         crash = self.relay.state.ranks[rank].diag.strip()
         raise RanksBrokenError(f"rank {rank} {describe_exit(code)}", self._failures_text() + crash)
@@ -219,7 +219,7 @@ class _Follow:
         state = self.relay.state
         before = {r.rank: len(state.ranks[r.rank].diag) for r in alive}
         self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
-        self.relay._collect_stacks(alive)
+        self.relay.collect_stacks(alive)
         self.stacks = {
             r.rank: cell_stack(state.ranks[r.rank].diag[before[r.rank] :]) for r in alive
         }

@@ -91,7 +91,7 @@ def accept_ranks(server: socket.socket, relay: Relay) -> dict[int, Connection]:
                 raise RanksBrokenError(f"the ranks did not connect within {START_TIMEOUT:g} s")
             for key, _ in selector.select(0.5):
                 if key.data is not None:
-                    relay._drain(key.data)
+                    relay.drain(key.data)
                     diag = relay.state.ranks[key.data.rank].diag.strip()
                     raise RanksBrokenError(f"rank {key.data.rank} exited while starting", diag)
                 sock, _ = server.accept()
@@ -101,7 +101,7 @@ def accept_ranks(server: socket.socket, relay: Relay) -> dict[int, Connection]:
                 hello: Hello = pickle.loads(conn.recv_bytes())
                 connections[hello.rank] = conn
                 r = next(p for p in group.ranks if p.rank == hello.rank)
-                relay._selector.register(conn.fileno(), selectors.EVENT_READ, (r, "reply"))
+                relay.watch(conn.fileno(), (r, "reply"))
     finally:
         selector.close()
     return connections

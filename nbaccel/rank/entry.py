@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import pickle
 import signal
 import sys
 from typing import Any
@@ -43,24 +42,6 @@ def _to_cpu(value: Any) -> Any:
 
 def _is_plumbing(filename: str) -> bool:
     return filename == __file__
-
-
-def _report_failure(exc: BaseException, rank: int) -> None:
-    try:
-        pickled = pickling.dumps(exc)
-        pickle.loads(pickled)  # only send what the kernel will be able to load
-    except Exception:
-        pickled = None
-    kind = type(exc)
-    events.emit(
-        events.Failure(
-            rank=rank,
-            exc_type=f"{kind.__module__}.{kind.__qualname__}",
-            message=str(exc),
-            traceback=exit.user_traceback(exc, _is_plumbing),
-            exception=pickled,
-        )
-    )
 
 
 def _pickle_return_value(value: Any, rank: int, transfer: Any = None) -> bytes:
@@ -139,7 +120,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     code, failure = exit.outcome(raised)
     reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:
-        _report_failure(failure, spec.rank)
+        events.emit(exit.failure_event(failure, spec.rank, _is_plumbing))
     else:
         # The process group is left to die with the process (see torch_fixes).
         exited = 0 if isinstance(raised, SystemExit) else None

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import atexit
 import os
+import pickle
 import sys
 import traceback
 from collections.abc import Callable
 
-from nbaccel.core import libc
+from nbaccel.core import events, libc, pickling
 
 
 def outcome(exc: BaseException | None) -> tuple[int, BaseException | None]:
@@ -43,6 +44,26 @@ def user_traceback(exc: BaseException, is_plumbing: Callable[[str], bool]) -> st
     while tb is not None and is_plumbing(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def failure_event(
+    exc: BaseException, rank: int, is_plumbing: Callable[[str], bool]
+) -> events.Failure:
+    """The event that tells the kernel how a rank's code failed: type, message, the user's
+    traceback, and the exception itself when the kernel will be able to unpickle it."""
+    try:
+        pickled = pickling.dumps(exc)
+        pickle.loads(pickled)  # only send what the kernel will be able to load
+    except Exception:
+        pickled = None
+    kind = type(exc)
+    return events.Failure(
+        rank=rank,
+        exc_type=f"{kind.__module__}.{kind.__qualname__}",
+        message=str(exc),
+        traceback=user_traceback(exc, is_plumbing),
+        exception=pickled,
+    )
 
 
 def flush_output() -> None:

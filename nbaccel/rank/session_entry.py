@@ -24,7 +24,7 @@ import time
 from multiprocessing.connection import Client
 from typing import Any
 
-from nbaccel.core import events, pickling
+from nbaccel.core import pickling
 from nbaccel.core.session_messages import Blocked, Command, Done, Hello, cell_filename
 from nbaccel.rank import entry, exit
 
@@ -105,7 +105,7 @@ def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int
             done.value = _pickle_value(value, command.kind)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
         done.interrupted = isinstance(exc, KeyboardInterrupt) and cell.interrupted
-        done.failure = _failure(exc, rank)
+        done.failure = exit.failure_event(exc, rank, _is_plumbing)
     done.names = _summary(namespace)
     done.device, done.gpu_memory = _device()
     return done
@@ -182,22 +182,6 @@ def run_code(code: str, namespace: dict[str, Any], filename: str) -> Any:
 
 def _is_plumbing(filename: str) -> bool:
     return filename in (__file__, entry.__file__)
-
-
-def _failure(exc: BaseException, rank: int) -> events.Failure:
-    try:
-        pickled = pickling.dumps(exc)
-        pickle.loads(pickled)  # only send what the kernel will be able to load
-    except Exception:
-        pickled = None
-    kind = type(exc)
-    return events.Failure(
-        rank=rank,
-        exc_type=f"{kind.__module__}.{kind.__qualname__}",
-        message=str(exc),
-        traceback=exit.user_traceback(exc, _is_plumbing),
-        exception=pickled,
-    )
 
 
 def _safe_repr(value: Any, limit: int = 2000) -> str:
