@@ -3,7 +3,6 @@ for the cell, then each rank's ``Out:`` line. Screenshots go to test-artifacts/b
 
 from __future__ import annotations
 
-import nbformat
 import pytest
 
 from tests import browser_helpers as bh
@@ -22,28 +21,11 @@ CELLS = [
 
 
 def test_ranks_cell_in_jupyterlab(tmp_path):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in CELLS]
-    nbformat.write(nb, tmp_path / "ranks.ipynb")
+    bh.write_notebook(tmp_path / "ranks.ipynb", CELLS)
     with bh.JupyterLab(tmp_path) as lab, bh.chromium_page() as page:
         try:
             page.set_default_timeout(60_000)
-            page.goto(lab.url("lab/tree/ranks.ipynb"))
-            page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
-            page.wait_for_function(
-                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                " && window.jupyterapp.shell.currentWidget.sessionContext"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle'"
-            )
-            # Not awaited: the command's promise only settles once every cell has run.
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            bh.run_all_cells(page, lab, "ranks.ipynb")
             page.wait_for_selector(".jp-OutputArea-output:has-text('2 ranks ready')")
             page.wait_for_selector(".nbaccel-live tr.nbaccel-rank[data-status='running']")
             bh.screenshot(page, "ranks-cell-live")
