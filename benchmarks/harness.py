@@ -102,6 +102,22 @@ def kernel(imports: Sequence[str] = (), env: dict[str, str] | None = None) -> It
                 )
 
 
+class QuietView:
+    """A launch view that shows nothing, for launches made by the benchmark process itself."""
+
+    def start(self, state: Any) -> None:
+        pass
+
+    def output(self, rank: int, stream: str, lines: list[str]) -> None:
+        pass
+
+    def update(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 class Scratch:
     """Output folders for launches, all below one temporary directory removed at the end."""
 

@@ -77,33 +77,19 @@ def _measure(n_iter: int, n_log: int, reps: int) -> dict[str, list[float]]:
     return out
 
 
-class _QuietView:
-    def start(self, state: Any) -> None:
-        pass
-
-    def output(self, rank: int, stream: str, lines: list[str]) -> None:
-        pass
-
-    def update(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
 def run(reps: int, smoke: bool) -> dict[str, Any]:
     import nbaccel
 
     n_iter, n_log = (20_000, 5_000) if smoke else (1_000_000, 200_000)
     inner = 2 if smoke else max(7, reps)
     hooked = nbaccel.notebook_launcher(
-        _measure, args=(n_iter, n_log, inner), num_processes=1, view=_QuietView()
+        _measure, args=(n_iter, n_log, inner), num_processes=1, view=H.QuietView()
     )
     plain = nbaccel.notebook_launcher(
         _measure,
         args=(n_iter, 10, 1),
         num_processes=1,
-        view=_QuietView(),
+        view=H.QuietView(),
         env={"NBACCEL_TQDM": "0"},
     )
     rows = {

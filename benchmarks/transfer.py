@@ -41,20 +41,6 @@ def _produce(nbytes: int) -> tuple[Any, float]:
     return tensor, time.time()
 
 
-class _QuietView:
-    def start(self, state: Any) -> None:
-        pass
-
-    def output(self, rank: int, stream: str, lines: list[str]) -> None:
-        pass
-
-    def update(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
 def _argument_seconds(world: int, nbytes: int) -> float:
     import torch
 
@@ -63,7 +49,7 @@ def _argument_seconds(world: int, nbytes: int) -> float:
     tensor = torch.ones(max(1, nbytes // 4))
     t0 = time.time()
     entered = nbaccel.notebook_launcher(
-        _receive, args=(tensor,), num_processes=world, view=_QuietView(), return_all=True
+        _receive, args=(tensor,), num_processes=world, view=H.QuietView(), return_all=True
     )
     return max(entered) - t0
 
@@ -72,7 +58,7 @@ def _result_seconds(world: int, nbytes: int) -> float:
     import nbaccel
 
     tensor, sent = nbaccel.notebook_launcher(
-        _produce, args=(nbytes,), num_processes=world, view=_QuietView()
+        _produce, args=(nbytes,), num_processes=world, view=H.QuietView()
     )
     done = time.time()
     if tensor.numel() != max(1, nbytes // 4):
