@@ -52,11 +52,9 @@ _fds: dict[str, int] = {}  # launch token -> argument block fd (kernel: its own;
 
 def shm_dir() -> str:
     """Where result files go: ``/dev/shm`` (memory) where it exists, else the temp folder."""
-    return (
-        "/dev/shm"
-        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
-        else (tempfile.gettempdir())
-    )
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return tempfile.gettempdir()
 
 
 class Transfer:
