@@ -260,3 +260,38 @@ def test_other_start_methods_carry_the_block_too(method):
     for total, array_total, doubled in out:
         assert (total, array_total) == (float(BIG * 4), float(BIG)) and doubled.eq(2).all()
     assert not _mine() and not _block_fds() and not S._fds
+
+
+def _train_steps(model, data):
+    import torch
+
+    import nbaccel
+
+    acc = nbaccel.Accelerator()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    for _ in range(3):
+        loss = model(data[:8]).pow(2).mean()
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_model_argument_trains_exactly_as_when_pickled(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 1))
+    data = torch.randn(1024, 512)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shared = nbaccel.notebook_launcher(
+        _train_steps, args=(model, data), num_processes=2, progress=False
+    )
+    monkeypatch.setattr(S, "MIN_BYTES", 1 << 62)  # everything pickled, as before
+    pickled = nbaccel.notebook_launcher(
+        _train_steps, args=(model, data), num_processes=2, progress=False
+    )
+    assert shared.keys() == pickled.keys()
+    assert all(torch.equal(shared[k], pickled[k]) for k in shared)
+    assert not torch.equal(shared["0.weight"], before["0.weight"])  # it did train...
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # ...its copy
