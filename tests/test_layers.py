@@ -29,6 +29,8 @@ EXCEPTIONS = {
     ("launch", "nbaccel.rank.entry"),
     # Persistent ranks: the kernel names this command loop as the ranks' function.
     ("launch", "nbaccel.rank.session_entry"),
+    # XLA devices as threads: the kernel names this host process as the ranks' entry point.
+    ("launch", "nbaccel.rank.xla"),
 }
 
 

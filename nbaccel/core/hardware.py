@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 
+from nbaccel.core import xla_runtime
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -134,11 +136,7 @@ def _detect_cached() -> Hardware:
         and getattr(torch.backends, "mps", None)
         and torch.backends.mps.is_available()
     )
-    has_tpu = bool(
-        os.environ.get("TPU_NAME")
-        or os.environ.get("COLAB_TPU_ADDR")
-        or os.path.exists("/dev/accel0")
-    )
+    has_tpu = xla_runtime.tpu_present()  # env and device files only, no runtime
     return Hardware(cpu_count=os.cpu_count() or 1, gpus=gpus, has_mps=has_mps, has_tpu=has_tpu)
 
 

@@ -14,8 +14,8 @@ from typing import Any
 from nbaccel.core import shared_tensors
 from nbaccel.core.config import LaunchConfig
 from nbaccel.core.launch_state import LaunchState, RankState
+from nbaccel.launch import xla
 from nbaccel.launch.forkserver import ensure_server
-from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.ui import View, choose_view
@@ -92,7 +92,7 @@ def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[
     if plan.info.start_method == "forkserver":
         ensure_server(tuple(preload))
     state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
-    group = RankGroup(plan.specs, plan.info.start_method)
+    group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
     group.start()
     try:
         return Relay(group, state, view, plan.timeout).run()

@@ -19,6 +19,7 @@ from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_te
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int
 from nbaccel.core.events import RankSpec
 from nbaccel.core.launch_state import LaunchInfo
+from nbaccel.launch import xla
 from nbaccel.launch.forkserver import resolve_start_method
 
 UNSET: Any = object()  # "not given": the config (or its default) decides
@@ -29,6 +30,7 @@ class LaunchPlan:
     info: LaunchInfo
     specs: list[RankSpec]
     timeout: float | None
+    xla_threads: bool = False  # XLA devices as threads of one host process (launch.xla)
 
 
 def resolve_plan(
@@ -107,7 +109,9 @@ def resolve_plan(
         )
         for local in range(nprocs)
     ]
-    return LaunchPlan(info, specs, timeout)
+    # -- XLA (PJRT_DEVICE set, or a TPU host): ranks as PJRT expects them (nbaccel.launch.xla)
+    info, specs, xla_threads = xla.adapt_plan(info, specs)
+    return LaunchPlan(info, specs, timeout, xla_threads)
 
 
 def _kernel_cwd() -> str | None:

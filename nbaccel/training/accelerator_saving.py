@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel.training import checkpoint, model_files
+from nbaccel.training import checkpoint, model_files, xla
 
 
 class Saving:
@@ -89,6 +89,8 @@ class Saving:
 
             accelerator.save(accelerator.get_state_dict(model), "checkpoints/model.pt")
         """
+        if self.device.type == "xla":  # xm.save's way: tensors to the CPU, the main one writes
+            obj = xla.to_cpu(obj)
         if not self.is_main_process:
             return
         if safe_serialization:

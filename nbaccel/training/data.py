@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from nbaccel.training import ops
+from nbaccel.training import ops, xla
 from nbaccel.training.random import synchronize_rng_states
 from nbaccel.training.sharding import ShardedBatchSampler
 from nbaccel.training.sharding import plan_epoch as _plan_epoch
@@ -136,7 +136,11 @@ class PreparedDataLoader:
             self._gs.remainder = self._sampler.remainder if last and self._sampler else None
             if self._place:
                 batch = ops.send_to_device(batch, self._state.device, self._non_blocking)
+            if self._state.device.type == "xla":
+                xla.sync()  # one step, one XLA graph: cut before each batch (as MpDeviceLoader)
             yield batch
+        if self._state.device.type == "xla":
+            xla.sync()
         self._gs.at_loader_end, self._gs.remainder = False, None
         self.epoch, self.position = self.epoch + 1, 0
 

@@ -17,9 +17,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nbaccel.training import xla
+
 
 def _world() -> int:
+    if xla.in_use():
+        return xla.Collectives.get_world_size()
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _comm() -> Any:
+    """Who runs the collectives: torch.distributed, or XLA's on XLA devices (training.xla)."""
+    return xla.Collectives if xla.in_use() else dist
 
 
 def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
@@ -66,11 +75,11 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(_world())]
     try:
-        dist.all_gather(parts, tensor)
+        _comm().all_gather(parts, tensor)
     except RuntimeError as exc:
         raise RuntimeError(
             f"gather failed for a tensor of shape {tuple(tensor.shape)} on rank "
-            f"{dist.get_rank()}: {exc}. Every rank must pass tensors of the same shape; call "
+            f"{_comm().get_rank()}: {exc}. Every rank must pass tensors of the same shape; call "
             "accelerator.pad_across_processes(tensor) first when the sizes differ."
         ) from exc
     return torch.cat(parts, dim=0)
@@ -97,7 +106,7 @@ def gather_object(obj: Any) -> list[Any]:
     if _world() == 1:
         return list(items)
     out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, items)
+    _comm().all_gather_object(out, items)
     return [x for part in out for x in part]
 
 
@@ -114,12 +123,12 @@ def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         raise ValueError(
             f"reduction={reduction!r} is not supported; choose 'mean', 'sum', 'max' or 'none'."
         )
-    op = dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM
+    op = _comm().ReduceOp.MAX if reduction == "max" else _comm().ReduceOp.SUM
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
         if _world() > 1:
-            dist.all_reduce(out, op=op)
+            _comm().all_reduce(out, op=op)
             if reduction == "mean":
                 out = out / _world()
         return out * scale if scale != 1.0 else out
@@ -168,7 +177,7 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
     def one(tensor: torch.Tensor) -> torch.Tensor:
         if _world() > 1:
             tensor = tensor.contiguous()
-            dist.broadcast(tensor, src=from_process)
+            _comm().broadcast(tensor, src=from_process)
         return tensor
 
     return recursively_apply(one, data)
@@ -177,11 +186,11 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
 def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any]:
     """Fill ``objects`` in place with ``from_process``'s picklable objects; return it."""
     if _world() > 1:
-        dist.broadcast_object_list(objects, src=from_process)
+        _comm().broadcast_object_list(objects, src=from_process)
     return objects
 
 
 def barrier() -> None:
     """Wait until every rank gets here (nothing to wait for in one process)."""
     if _world() > 1:
-        dist.barrier()
+        _comm().barrier()

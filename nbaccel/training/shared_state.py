@@ -12,15 +12,44 @@ calls share it. ``AcceleratorState()`` adds what the latest :class:`~nbaccel.Acc
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import torch.distributed as dist
 
+from nbaccel.core import xla_runtime
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.state import DistributedType, GradientState, ProcessState, detect_state
 
-# What every PartialState/AcceleratorState of this process reads (Accelerate shares it too).
-_SHARED: dict[str, Any] = {}
+
+class _Shared(dict):
+    """What every PartialState/AcceleratorState of this process reads (Accelerate shares it
+    too); per device thread where XLA devices are threads of one process (rank.xla)."""
+
+    _threads = threading.local()
+
+    def _own(self) -> dict[str, Any]:
+        if not os.environ.get(xla_runtime.ENV_XLA_THREADS):
+            return self
+        if not hasattr(self._threads, "shared"):
+            self._threads.shared = {}
+        return self._threads.shared
+
+    def get(self, key: str, default: Any = None) -> Any:
+        own = self._own()
+        return dict.get(own, key, default) if own is self else own.get(key, default)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        own = self._own()
+        dict.__setitem__(own, key, value) if own is self else own.__setitem__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
+_SHARED: dict[str, Any] = _Shared()
 
 
 class PartialState(ProcessControl):
@@ -73,6 +102,8 @@ class PartialState(ProcessControl):
     @property
     def distributed_type(self) -> DistributedType:
         """NO, MULTI_CPU or MULTI_GPU (``AcceleratorState`` also knows FSDP)."""
+        if self.device.type == "xla":
+            return DistributedType.XLA  # as Accelerate: XLA on one device too
         if not self.distributed:
             return DistributedType.NO
         return (

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nbaccel.training import xla
+
 
 class DistributedType(str, enum.Enum):
     """How the processes work together (Accelerate's names)."""
@@ -30,6 +32,7 @@ class DistributedType(str, enum.Enum):
     MULTI_GPU = "MULTI_GPU"
     FSDP = "FSDP"
     DEEPSPEED = "DEEPSPEED"
+    XLA = "XLA"  # torch_xla's PJRT runtime: TPU, or XLA's CPU devices (nbaccel.training.xla)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,11 @@ def detect_state(cpu: bool = False, init_kwargs: Any = None) -> ProcessState:
 
         state = detect_state()        # under torchrun --nproc_per_node 2: rank 0 or 1, gloo/nccl
     """
+    if not cpu and xla.wanted():  # rank and world come from the runtime (per device thread)
+        rank, local_rank, world, local_world, device = xla.detect()
+        return ProcessState(
+            rank, local_rank, world, local_world, device, "xla" if world > 1 else None
+        )
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)

@@ -29,6 +29,15 @@ def select_strategy(
 
         strategy = select_strategy("fsdp", detect_state())
     """
+    if state.device.type == "xla":  # data parallel through XLA collectives (strategies.xla)
+        if name not in ("ddp", "xla"):
+            raise ValueError(
+                f"strategy={name!r} does not run on XLA devices; nbaccel trains on XLA with "
+                "replicated data parallelism (leave strategy unset, or 'ddp')."
+            )
+        from nbaccel.training.strategies.xla import XLAStrategy
+
+        return XLAStrategy(state)
     if name == "ddp":
         from nbaccel.training.strategies.ddp import DDPStrategy
 
