@@ -59,7 +59,27 @@ def train_with_accelerator(epochs: int = 3, mixed_precision: str = "no") -> dict
         "batches": len(dl),
         "losses": losses,
         "weights": flat.cpu(),
+        "gathered": acc.gather(flat[None]).cpu(),  # every replica's weights, one row each
     }
+
+
+def collectives(path: str) -> dict:
+    """Accelerate's collectives and process control on XLA devices; rank 0 saves a tensor."""
+    from nbaccel import Accelerator
+
+    acc = Accelerator()
+    r = acc.process_index
+    x = torch.tensor([float(r), 10.0 + r]).to(acc.device)
+    out = {
+        "gather": acc.gather(x).cpu().tolist(),
+        "sum": acc.reduce(x, "sum").cpu().tolist(),
+        "max": acc.reduce(x, "max").cpu().tolist(),
+        "broadcast": acc.broadcast(torch.tensor([r + 5.0]).to(acc.device), 1).cpu().tolist(),
+        "objects": acc.gather_for_metrics([f"rank{r}"], use_gather_object=True),
+    }
+    acc.wait_for_everyone()
+    acc.save({"x": x}, path)  # on the main process only, tensors moved to the CPU first
+    return out
 
 
 def train_with_torch_xla(epochs: int = 2) -> dict:
@@ -138,7 +158,26 @@ def test_two_cpu_devices_accelerator_keeps_replicas_equal():
     # Gradients were averaged at every step from equal starts: the replicas are the same model.
     assert torch.equal(outs[0]["weights"], outs[1]["weights"])
     assert outs[0]["losses"] == outs[1]["losses"]  # reduce(): the same mean on both
+    assert torch.equal(outs[0]["gathered"], torch.stack([o["weights"] for o in outs]))
     assert outs[0]["losses"][-1] < outs[0]["losses"][0] / 4, outs[0]["losses"]
+
+
+@pytest.mark.slow
+def test_collectives_and_save_on_two_cpu_devices(tmp_path):
+    path = tmp_path / "x.pt"
+    outs = nbaccel.notebook_launcher(
+        collectives, args=(str(path),), num_processes=2, env=XLA_CPU, return_all=True
+    )
+    for out in outs:
+        assert out == {
+            "gather": [0.0, 10.0, 1.0, 11.0],
+            "sum": [1.0, 21.0],
+            "max": [1.0, 11.0],
+            "broadcast": [6.0],  # rank 1's value
+            "objects": ["rank0", "rank1"],
+        }
+    saved = torch.load(path)
+    assert saved["x"].device.type == "cpu" and saved["x"].tolist() == [0.0, 10.0]
 
 
 @pytest.mark.slow

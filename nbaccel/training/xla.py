@@ -61,10 +61,42 @@ def sync() -> None:
 
 
 # -- torch.distributed's calls, answered with XLA collectives (for nbaccel.training.ops) -------
+#
+# Every device must trace the same graph: where devices are threads of one process they share
+# one compiled executable, and a graph that differs per device (torch_xla's own all_gather and
+# rendezvous put the device's ordinal into the graph as a constant) gets an executable of its
+# own whose all-reduce never meets the others'. So the rank enters the graph as data here.
 
 
 class _ReduceOp:
     SUM, MAX = "sum", "max"
+
+
+def _rows(value: torch.Tensor) -> torch.Tensor:
+    """``[world, *value.shape]``: every device's ``value`` (an XLA tensor), ready on all."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    device = value.device
+    me = torch.tensor([xr.global_ordinal()]).to(device)  # data, not a constant in the graph
+    rows = torch.zeros((xr.world_size(), *value.shape), dtype=value.dtype, device=device)
+    rows = rows.index_copy(0, me, value[None])
+    total = xm.all_reduce(xm.REDUCE_SUM, rows)
+    torch_xla.sync()
+    return total
+
+
+def _exchange(payload: bytes) -> list[bytes]:
+    """Every device's ``payload``, in rank order."""
+    import torch_xla
+
+    device = torch_xla.device()
+    sizes = _rows(torch.tensor([len(payload)]).to(device)).cpu().flatten().tolist()
+    data = torch.zeros(max(sizes) or 1, dtype=torch.uint8)
+    data[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = _rows(data.to(device)).cpu()
+    return [bytes(rows[i, :n].tolist()) for i, n in enumerate(sizes)]
 
 
 class Collectives:
@@ -88,12 +120,10 @@ class Collectives:
     @staticmethod
     def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
         import torch_xla
-        import torch_xla.core.xla_model as xm
 
-        gathered = xm.all_gather(tensor.to(torch_xla.device()), dim=0)
-        sync()
-        for part, piece in zip(parts, gathered.chunk(len(parts), dim=0)):
-            part.copy_(piece.to(part.device))
+        rows = _rows(tensor.to(torch_xla.device()))
+        for i, part in enumerate(parts):
+            part.copy_(rows[i].to(part.device))
 
     @staticmethod
     def all_reduce(tensor: torch.Tensor, op: Any = _ReduceOp.SUM) -> None:
@@ -111,29 +141,23 @@ class Collectives:
         import torch_xla.core.xla_model as xm
 
         on_device = tensor.to(torch_xla.device())
-        xm.collective_broadcast([on_device], root_ordinal=src)
+        xm.collective_broadcast([on_device], root_ordinal=src)  # its ordinal test is data
         sync()
         tensor.copy_(on_device.to(tensor.device))
 
     @staticmethod
     def all_gather_object(out: list[Any], obj: Any) -> None:
-        import torch_xla.core.xla_model as xm
-
-        payloads = xm.rendezvous("nbaccel.gather_object", pickle.dumps(obj))
-        out[:] = [pickle.loads(p) for p in payloads]
+        out[:] = [pickle.loads(p) for p in _exchange(pickle.dumps(obj))]
 
     @staticmethod
     def broadcast_object_list(objects: list[Any], src: int = 0) -> None:
-        import torch_xla.core.xla_model as xm
-
-        payloads = xm.rendezvous("nbaccel.broadcast_object", pickle.dumps(objects))
-        objects[:] = pickle.loads(payloads[src])
+        objects[:] = pickle.loads(_exchange(pickle.dumps(objects))[src])
 
     @staticmethod
     def barrier() -> None:
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
-        xm.rendezvous("nbaccel.barrier")
+        _rows(torch.zeros(1).to(torch_xla.device()))
 
 
 def device_batches(batches: Iterator[Any]) -> Iterator[Any]:
