@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run nbaccel's XLA tests (tests/test_xla.py) on torch_xla's CPU PJRT runtime.
+# Run nbaccel's XLA tests (tests/test_xla.py, tests/test_xla_plan.py) on torch_xla's CPU PJRT runtime.
 #
 # NOT part of the default CI: torch_xla 2.9 needs torch 2.9.x, whose wheels from the package
 # index pull ~4 GB of CUDA dependency wheels, and the main .venv runs torch 2.13 (CPU build).
@@ -36,4 +36,4 @@ print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}", file=sys.
 PY
 export PJRT_DEVICE=CPU
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider -o addopts="-ra" -W "ignore::DeprecationWarning" \
-    tests/test_xla.py "$@"
+    tests/test_xla.py tests/test_xla_plan.py "$@"

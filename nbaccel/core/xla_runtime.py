@@ -68,10 +68,19 @@ def uses_threads(device: str, num_processes: int, env: Mapping[str, str] | None 
 
     XLA's CPU devices exist only as threads of one process (separate processes each get a
     runtime of their own with world size 1 and no collectives between them); TPU v2/v3 run a
-    thread per core. One rank never needs threads.
+    thread per core (``TPU_ACCELERATOR_TYPE`` says which generation; where it is not set, more
+    ranks than ``/dev/accel*`` chips means cores). One rank never needs threads.
     """
     if num_processes <= 1:
         return False
     if device == "CPU":
         return True
-    return device == "TPU" and accelerator_type(env).startswith(("v2", "v3"))
+    if device != "TPU":
+        return False
+    kind = accelerator_type(env)
+    if kind:
+        return kind.startswith(("v2", "v3"))
+    # Unknown generation: v2/v3 chips have two cores, each a device, so more ranks than chips
+    # means cores as threads (a v3-8 has 4 chips, 8 devices; a v4-8 has 4 chips, 4 devices).
+    chips = len(glob.glob("/dev/accel[0-9]*"))
+    return 0 < chips < num_processes

@@ -14,7 +14,9 @@ alone (the kernel never starts a runtime: PJRT allows one client per process):
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import sys
 from typing import Any
 
 from nbaccel.core import xla_runtime
@@ -37,6 +39,13 @@ def adapt_plan(info: Any, specs: list[RankSpec]) -> tuple[Any, list[RankSpec], b
     device = xla_runtime.requested(env)
     if device is None:
         return info, specs, False
+    if importlib.util.find_spec("torch_xla") is None:
+        raise RuntimeError(
+            f"PJRT_DEVICE={device} asks for torch_xla's runtime, but torch_xla is not installed "
+            "in this environment. Install the torch_xla that matches your torch (e.g. torch 2.9 "
+            "with torch_xla 2.9), or unset PJRT_DEVICE to run on plain torch."
+        )
+    _refuse_runtime_in_kernel(device)
     n = len(specs)
     threads = xla_runtime.uses_threads(device, n, env)
     if info.world_size != n and threads:
@@ -71,6 +80,24 @@ def adapt_plan(info: Any, specs: list[RankSpec]) -> tuple[Any, list[RankSpec], b
         for s in specs
     ]
     return dataclasses.replace(info, device="xla", backend="xla"), new_specs, threads
+
+
+def _refuse_runtime_in_kernel(device: str) -> None:
+    """A kernel that has used the TPU holds it, and the ranks could not open it ("TPU
+    initialization failed: open(/dev/accel0)"); say so before starting anything."""
+    xla = sys.modules.get("torch_xla")
+    if device != "TPU" or xla is None:
+        return
+    try:
+        started = bool(xla._XLAC._xla_runtime_is_initialized())
+    except (AttributeError, RuntimeError):
+        return
+    if started:
+        raise RuntimeError(
+            "this kernel has already used the TPU (torch_xla's runtime is running here), so the "
+            "launched ranks could not open it. Restart the kernel and create tensors, models and "
+            "the Accelerator on the XLA device only inside the training function."
+        )
 
 
 class _SharedProcess:
