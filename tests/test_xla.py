@@ -120,8 +120,8 @@ def train_with_torch_xla(epochs: int = 2) -> dict:
 def fail_on_rank_one() -> int:
     import torch_xla.runtime as xr
 
-    if xr.global_ordinal() == 1:
-        raise ValueError("bad batch on device 1")
+    if xr.global_ordinal() == 1 or xr.world_size() == 1:
+        raise ValueError(f"bad batch on device {xr.global_ordinal()}")
     return xr.global_ordinal()
 
 
@@ -197,6 +197,14 @@ def test_a_failing_device_thread_is_reported_as_its_rank():
         nbaccel.notebook_launcher(fail_on_rank_one, num_processes=2, env=XLA_CPU)
     message = str(info.value)
     assert "rank 1" in message and "bad batch on device 1" in message, message
+
+
+@pytest.mark.slow
+def test_a_failing_single_device_rank_shows_only_the_users_frames():
+    with pytest.raises(RankFailedError) as info:
+        nbaccel.notebook_launcher(fail_on_rank_one, num_processes=1, env=XLA_CPU)
+    assert "bad batch on device 0" in str(info.value)
+    assert "_start_then_call" not in str(info.value)  # the runtime's start-up wrapper is hidden
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from nbaccel.core import events, pickling
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import containment, entry, exit, process_setup, reporting, torch_fixes, twin
 
+entry.PLUMBING_FILES.add(__file__)  # _start_then_call is not the user's frame
 _local = threading.local()  # .rank: the rank the current device thread runs as
 
 
@@ -192,7 +193,7 @@ def _in_turn(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
 
 
 def _is_plumbing(filename: str) -> bool:
-    return filename in (__file__, entry.__file__)
+    return filename in entry.PLUMBING_FILES
 
 
 def run_device_threads(specs: list[RankSpec], pipes: list[tuple[Any, Any, Any, Any]]) -> None:
