@@ -130,6 +130,68 @@ def test_refusals(tmp_path):
     assert other.read_text() == "# my own script\n"
 
 
+@pytest.mark.parametrize(
+    "after",
+    [
+        "!ls checkpoints",
+        "%ranks print(1)",
+        "%load_ext autoreload",
+        "# only a comment",
+        "%%ranks\nx = 1",
+    ],
+)
+def test_comment_only_cells_after_the_launch_compile(tmp_path, after):
+    # Each of these cells becomes comments only; wrapped in a main guard they once gave an
+    # `if __name__ == "__main__":` with no body, a script that did not compile.
+    cells = [
+        "import nbaccel\ndef train(): return 1",
+        "result = nbaccel.notebook_launcher(train, num_processes=2)\n" + after,
+        after,
+    ]
+    nb = tmp_path / "min.ipynb"
+    nb_cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nbformat.v4.new_notebook(cells=nb_cells), nb)
+    out = tmp_path / "min.py"
+    result = run_cli("export", str(nb), "-o", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    compile(out.read_text(), str(out), "exec")
+
+
+def test_ranks_cell_becomes_a_commented_block_with_a_warning(tmp_path):
+    cells = [
+        "import nbaccel\ndef train(): return 1",
+        "result = nbaccel.notebook_launcher(train, num_processes=2)",
+        "%%ranks\nimport torch\nprint(torch.distributed.get_rank())",
+    ]
+    nb = tmp_path / "r.ipynb"
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), nb
+    )
+    with pytest.warns(UserWarning, match=r"cell 3 is a %%ranks cell.*keeps it as comments"):
+        text = notebook_to_script(nb)
+    compile(text, "r.py", "exec")
+    assert "# %%ranks cell 3: not run by the script" in text
+    assert "\n# print(torch.distributed.get_rank())" in text
+
+
+def test_script_that_would_not_compile_is_refused_and_not_written(tmp_path):
+    # `return` at top level parses (ast) but does not compile: the check must catch it.
+    cells = [
+        "import nbaccel\ndef train(): return 1",
+        "nbaccel.notebook_launcher(train)",
+        "return 3",
+    ]
+    nb = tmp_path / "bad.ipynb"
+    nbformat.write(
+        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), nb
+    )
+    out = tmp_path / "bad.py"
+    result = run_cli("export", str(nb), "-o", str(out), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "cell 3: the exported script would not compile" in result.stderr
+    assert not out.exists()
+
+
 def test_cli_export_errors_are_one_line(tmp_path):
     result = run_cli("export", str(tmp_path / "missing.ipynb"), cwd=tmp_path)
     assert result.returncode == 2

@@ -211,10 +211,20 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
     path = Path(notebook)
     nb = _read(path)
     cells: list[tuple[int, str, ast.Module]] = []
+    notes: list[str] = []
     for index, cell in enumerate(nb.cells, start=1):
         if cell.cell_type != "code" or SKIP_TAG in cell.get("metadata", {}).get("tags", []):
             continue
         source = clean_cell(cell.source)
+        if cell.source.lstrip().startswith("%%ranks"):
+            # A %%ranks cell runs on the live ranks of a notebook launch; a script has no live
+            # ranks after the launch returns, so the cell stays as a commented block.
+            source = f"# %%ranks cell {index}: not run by the script (no live ranks)\n{source}"
+            notes.append(
+                f"cell {index} is a %%ranks cell; it runs on the live ranks of a notebook "
+                "launch only, so the script keeps it as comments. Move its code into the "
+                "launched function to run it in the script."
+            )
         try:
             tree = ast.parse(source)
         except SyntaxError as exc:
@@ -248,7 +258,6 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
     script_name = path.with_suffix(".py").name
     parts = [HEADER.format(name=path.name, script=script_name)]
     known = defined_names([tree for _, _, tree in cells])
-    notes: list[str] = []
     launched = False
     for index, source, _tree in cells:
         launch = next((stmt for i, stmt in found if i == index), None)
@@ -257,6 +266,7 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
         elif launched and source.strip():
             source = main_only(source)
         parts.append(f"\n# %% [cell {index}]\n{source.rstrip()}\n")
+    _check_compiles(path, parts)
     for note in notes:
         warnings.warn(f"nbaccel export: {note}", ExportWarning, stacklevel=2)
         parts.insert(1, f"# Not carried over: {note}\n")
@@ -320,10 +330,34 @@ def _rewrite(
     return "\n".join([*before, guard, *([main_only(rest)] if rest.strip() else [])])
 
 
+def _check_compiles(path: Path, parts: list[str]) -> None:
+    """Refuse to write a script that would not compile, naming the notebook cell at fault."""
+    text = "".join(parts)
+    try:
+        compile(text, str(path.with_suffix(".py")), "exec")
+    except SyntaxError as exc:
+        line, cell = exc.lineno or 0, "?"
+        for part in parts:  # find the `# %% [cell N]` part that holds the failing line
+            line -= part.count("\n")
+            if line <= 0:
+                found = re.search(r"# %% \[cell (\d+)\]", part)
+                cell = found.group(1) if found else "?"
+                break
+        raise ExportError(
+            f"{path}, cell {cell}: the exported script would not compile ({exc.msg}); nothing "
+            f"was written. Fix the cell or tag it '{SKIP_TAG}', and report this as an nbaccel "
+            "export bug."
+        ) from None
+
+
 def main_only(source: str) -> str:
     """Code after the launch, run only by the launching process (and by every rank under
     torchrun, where each rank is ``__main__``). Under plain ``python`` the ranks import the
-    script as ``__mp_main__`` and must not run it: the launch's result does not exist there."""
+    script as ``__mp_main__`` and must not run it: the launch's result does not exist there.
+    Source with no statements (only comments, e.g. a commented-out magic) is left as it is:
+    an ``if`` with an empty body would not compile."""
+    if not ast.parse(source).body:
+        return source
     return 'if __name__ == "__main__":\n' + textwrap.indent(source, "    ")
 
 
