@@ -54,3 +54,26 @@ def test_stall_notice_in_text(capfd, monkeypatch):
     assert "nbaccel: stalled? no rank has advanced for" in out
     assert "rank 1: waiting in barrier" in out
     assert "stalled for up to" in out  # the final summary keeps it
+
+
+def partial_lines_then_exit():
+    import sys
+
+    sys.stdout.write("loading...")
+    sys.stdout.flush()
+    time.sleep(1.6)  # shown after a second of quiet
+    print(" done", flush=True)
+    sys.stderr.write("no newline at end")
+    sys.stderr.flush()
+    time.sleep(1.6)
+    return 0
+
+
+def test_unfinished_line_is_shown_once_and_then_only_its_rest(capfd):
+    nbaccel.notebook_launcher(partial_lines_then_exit, num_processes=1, progress="text")
+    captured = capfd.readouterr()
+    out, err = captured.out.splitlines(), captured.err.splitlines()
+    assert captured.out.count("loading...") == 1, captured.out
+    assert out.index("[rank0] loading...") + 1 == out.index("[rank0] … done")
+    assert captured.err.count("no newline at end") == 1, captured.err
+    assert "[rank0] no newline at end" in err

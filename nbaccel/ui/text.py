@@ -55,9 +55,13 @@ class TextView:
         if self._state is not None and rank in self._state.ranks:
             self._state.ranks[rank].note_activity()
         key = (rank, stream)
+        # The unfinished line has ended: a line the splitter emits at EOF is not reported
+        # through partial(""), so forget it here or it is printed again after a quiet second.
+        self._partial.pop(key, None)
         shown = self._printed_partial.pop(key, None)
-        if shown is not None and lines and lines[0] == shown:
-            lines = lines[1:]  # printed already as an unfinished line
+        if shown is not None and lines:
+            rest = _rest(shown, lines[0])
+            lines = lines[1:] if rest is None else [rest, *lines[1:]]
         target = sys.stderr if stream == "stderr" else sys.stdout
         label = f"[rank{rank}] "
         target.write("".join(f"{label}{line}\n" for line in lines))
@@ -103,11 +107,14 @@ class TextView:
 
     def _print_quiet_partials(self, now: float) -> None:
         for key, (text, since) in list(self._partial.items()):
-            if now - since >= PARTIAL_QUIET and self._printed_partial.get(key) != text:
+            shown = self._printed_partial.get(key)
+            if now - since >= PARTIAL_QUIET and shown != text:
                 self._printed_partial[key] = text
                 rank, stream = key
                 target = sys.stderr if stream == "stderr" else sys.stdout
-                target.write(f"[rank{rank}] {text}\n")
+                line = text if shown is None else _rest(shown, text)
+                if line is not None:
+                    target.write(f"[rank{rank}] {line}\n")
 
     def finish(self) -> None:
         if self._state is not None and self.show_progress:
@@ -122,3 +129,21 @@ class TextView:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+
+
+def _rest(shown: str, text: str) -> str | None:
+    """What to print of ``text`` when ``shown`` (its start, maybe) is on screen already.
+
+    None when nothing is new; ``"… done"`` when ``text`` continues ``shown`` (a log reads the
+    two as one line); the whole ``text`` when it replaced ``shown`` (a ``\r`` progress line).
+
+    Example::
+
+        >>> _rest("loading...", "loading... done")
+        '… done'
+    """
+    if text == shown:
+        return None
+    if shown and text.startswith(shown):
+        return "…" + text[len(shown) :]
+    return text
