@@ -224,6 +224,8 @@ def _serialize(
     try:
         function_bytes = pickling.dumps(function)
     except Exception as exc:
+        if getattr(exc, "nbaccel_hint", False):  # the error already says what to do
+            raise TypeError(f"{name} cannot start: {exc}") from exc
         raise TypeError(
             f"the function {name} cannot be sent to the ranks: {type(exc).__name__}: {exc}. "
             "Something it refers to (a global, a closure variable) cannot be pickled; create "
@@ -237,6 +239,8 @@ def _serialize(
         try:
             return packer.dumps(value)
         except Exception as exc:
+            if getattr(exc, "nbaccel_hint", False):
+                raise TypeError(f"{label} ({type(value).__name__}): {exc}") from exc
             raise TypeError(
                 f"{label} ({type(value).__name__}) cannot be sent to the ranks: "
                 f"{type(exc).__name__}: {exc}. Pass something picklable (e.g. a path or the "

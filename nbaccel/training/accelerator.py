@@ -45,6 +45,10 @@ from nbaccel.training.trackers import Tracking
 
 _PREPARED = "_nbaccel_prepared"
 _UNSET: Any = object()  # "not given", so dataloader_config can supply split_batches
+NOT_SENDABLE = (
+    "an Accelerator created in the kernel cannot be sent to the ranks: create `Accelerator()` "
+    "inside the training function (it then runs as its rank, with gradient sync)."
+)
 
 
 class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
@@ -205,6 +209,24 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             f"Accelerator(rank {self.process_index}/{self.num_processes}, device={self.device}, "
             f"mixed_precision={self.mixed_precision!r}, strategy={self.strategy!r})"
         )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # An Accelerator holds this process's rank, device and process group: a copy sent to a
+        # launched rank would silently run there as "rank 0 of 1" (no gradient sync, every rank
+        # the main one). Accelerate refuses this too; pickle errors stop the launch up front.
+        if self.num_processes > 1:  # pickled inside a rank (a returned value, gather_object)
+            raise TypeError(
+                "an Accelerator cannot be pickled: it holds this rank's process group. "
+                "Return or gather plain values (tensors, numbers) instead."
+            )
+        error = TypeError(NOT_SENDABLE)
+        error.nbaccel_hint = True  # type: ignore[attr-defined]  # launch: message is complete
+        raise error
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Accelerator:
+        # One per process: deep-copying something that refers to it (a prepared model's
+        # wrapper, a config object) shares it, as Accelerate's does by reference.
+        return self
 
     # -- prepare --------------------------------------------------------------------------
 
