@@ -115,11 +115,8 @@ class Dashboard:
         }
         if self._handle is not None:
             self._handle.update(bundle, raw=True)
-        for widget in reversed(self._widgets):  # the views are gone; free the models too
-            try:
-                widget.close()
-            except Exception:  # noqa: BLE001 - closing is tidying up, never worth a failure
-                pass
+        close_widgets(self._widgets)  # the views are gone; free the models too
+        self._widgets = []
 
     # -- pushing, within the budget ---------------------------------------------------------
 
@@ -193,3 +190,34 @@ class Dashboard:
             self._chart_svg = metrics_charts({r.rank: r.history for r in state.ranks.values()})
             self._chart_metrics = {r.rank: dict(r.metrics) for r in state.ranks.values()}
         return table_html(state, self._chart_svg, self._chart_metrics)
+
+
+def close_widgets(widgets: list[Any]) -> None:
+    """Close ``widgets`` and every model they hold: children, and the ``layout`` and ``style``
+    models that ipywidgets (7 and 8) creates for each widget, which ``close()`` leaves open,
+    so a launch would leave ~26 open comms behind in the kernel.
+
+    Example::
+
+        close_widgets([box])   # box, its children, and their layouts and styles
+    """
+    seen: set[int] = set()
+    pending = list(reversed(widgets))
+    while pending:
+        widget = pending.pop()
+        if widget is None or id(widget) in seen or not hasattr(widget, "close"):
+            continue
+        seen.add(id(widget))
+        for name in ("children", "layout", "style"):
+            try:
+                held = getattr(widget, name, None)
+            except Exception:  # noqa: BLE001 - a trait that cannot be read holds nothing to close
+                continue
+            if isinstance(held, (list, tuple)):
+                pending.extend(held)
+            elif held is not None:
+                pending.append(held)
+        try:
+            widget.close()
+        except Exception:  # noqa: BLE001 - closing is tidying up, never worth a failure
+            pass
