@@ -113,15 +113,18 @@ def install_lockstep_sync() -> None:
     Measured with torch_xla 2.9 on CPU devices (2 cores): when two device threads compile the
     same new graph at the same moment, each gets its own executable whose collectives carry
     different ids, and the all-reduce waits for a partner that never comes ("Termination
-    timeout for all reduce ... only 1 of them arrived"); a device that runs a step ahead can
-    pair its all-reduce with another device's previous one (wrong sums); and tracing
-    ``xm.all_reduce`` in one thread while another runs backward crashed the process (SIGSEGV).
+    timeout for all reduce ... only 1 of them arrived"); and as every execution's rendezvous key
+    has ``RunId: 0``, a device that ran a step ahead could pair its all-reduce with another
+    device's previous one.
     So each device thread runs its Python code in turn (:data:`TURNS`, taken for the user's
-    whole function) and lets go only while its device executes: graphs are compiled one at a
-    time (the others hit the compilation cache and share the executable), and every device
-    finishes step k before tracing step k+1. ``PJRT_CPU_ASYNC_CLIENT=0`` (set by the launcher)
-    runs each execution on its own thread. The devices then compute one after the other, which
-    is all 2 CPU cores allow anyway; TPU v2/v3 threads do not use this.
+    whole function) and lets go only while its device executes: graphs are traced and compiled
+    one device at a time (the others hit the compilation cache and share the executable), and
+    every device finishes step k before tracing step k+1. ``PJRT_CPU_ASYNC_CLIENT=0`` (set by
+    the launcher) was needed as well. The devices then compute one after the other, which is
+    all 2 CPU cores allow anyway; TPU v2/v3 threads do not use this. Consequence for user code:
+    a device thread that blocks on another (a ``threading.Barrier``; ``.item()`` of an
+    all-reduce not yet cut by ``torch_xla.sync()``, which XLA aborts after 10 s: SIGABRT,
+    reported as the ranks' failure) does not get the others' help.
     """
     import torch_xla
     import torch_xla.core.xla_model as xm
