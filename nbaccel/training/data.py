@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from nbaccel.training import ops, xla
+from nbaccel.training import iterable, ops, xla
 from nbaccel.training.random import synchronize_rng_states
 from nbaccel.training.sharding import ShardedBatchSampler
 from nbaccel.training.sharding import plan_epoch as _plan_epoch
@@ -81,8 +81,9 @@ class PreparedDataLoader:
         return getattr(self.original, name)
 
     def __len__(self) -> int:
-        if self._sampler is None:
-            return len(self.original) // self._state.num_processes
+        if self._sampler is None:  # as iterable.deal: a last incomplete step unless drop_last
+            whole, world = len(self.original), self._state.num_processes
+            return whole // world if self.original.drop_last else -(-whole // world)
         return len(self._sampler)
 
     @property
@@ -126,14 +127,17 @@ class PreparedDataLoader:
             self._sampler.epoch, self._sampler.skip = self.epoch, self._skip
             mix = (self._sampler.seed * 1_000_003 + self.epoch) * 1009 + self._state.process_index
             self._generator.manual_seed(mix % 2**63)
-        source = self._loader if self._sampler else self._round_robin()
+        source = self._loader if self._sampler else self._dealt(self._skip)
         self.position, self._skip = self._skip, 0
         total = len(self) if self._sampler is not None else None
-        for batch in source:
+        for item in source:
             self.position += 1
-            last = self.position == total
-            self._gs.at_loader_end = last
-            self._gs.remainder = self._sampler.remainder if last and self._sampler else None
+            if self._sampler is not None:
+                batch, last = item, self.position == total
+                remainder = self._sampler.remainder if last else None
+            else:
+                batch, last, remainder = item
+            self._gs.at_loader_end, self._gs.remainder = last, remainder
             if self._place:
                 batch = ops.send_to_device(batch, self._state.device, self._non_blocking)
             if self._state.device.type == "xla":
@@ -144,16 +148,12 @@ class PreparedDataLoader:
         self._gs.at_loader_end, self._gs.remainder = False, None
         self.epoch, self.position = self.epoch + 1, 0
 
-    def _round_robin(self) -> Iterator[Any]:
-        """Iterable datasets: every rank reads the stream and keeps every world-th batch; a last
-        round that would not reach every rank is dropped so all ranks take the same steps."""
+    def _dealt(self, skip: int) -> Iterator[tuple[Any, bool, int | None]]:
+        """Iterable datasets: every rank reads the stream and takes its even share of each
+        ``world`` batches, the last step padded from the start (``iterable.deal``)."""
         world, rank = self._state.num_processes, self._state.process_index
-        round_: list[Any] = []
-        for batch in self._loader:
-            round_.append(batch)
-            if len(round_) == world:
-                yield round_[rank]
-                round_ = []
+        steps = iterable.deal(self._loader, world, rank, drop_last=self._loader.drop_last)
+        return itertools.islice(steps, skip, None)
 
 
 def _rebuild(
