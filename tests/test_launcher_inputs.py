@@ -86,6 +86,14 @@ class TestRejectedBeforeStarting:
         with pytest.raises(TypeError, match="args must be a tuple or list"):
             nbaccel.notebook_launcher(noop, args="abc", num_processes=1)
 
+    def test_kwargs_must_be_a_dict(self):
+        with pytest.raises(TypeError, match=r"kwargs must be a dict .*got list\.$"):
+            nbaccel.notebook_launcher(noop, kwargs=[1], num_processes=1)
+
+    def test_master_addr_that_does_not_resolve(self):
+        with pytest.raises(ValueError, match=r"master_addr='no.such.host.invalid' cannot be used"):
+            nbaccel.notebook_launcher(noop, num_processes=1, master_addr="no.such.host.invalid")
+
     def test_timeout_must_be_positive(self):
         with pytest.raises(ValueError, match="timeout must be a positive number"):
             nbaccel.notebook_launcher(noop, num_processes=1, timeout=0)

@@ -8,6 +8,7 @@ the end, and rank 0's (or every rank's) return value is loaded in the kernel.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,22 +62,27 @@ def notebook_launcher(
         nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)   # -> 0
     """
     __tracebackhide__ = True  # IPython leaves nbaccel's frames out of the notebook's traceback
-    plan = resolve_plan(
-        function,
-        args,
-        kwargs or {},
-        config=config,
-        num_processes=num_processes,
-        mixed_precision=mixed_precision,
-        start_method=start_method,
-        use_port=use_port,
-        master_addr=master_addr,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        timeout=timeout,
-        env=env,
-        return_all=return_all,
-    )
+    try:
+        plan = resolve_plan(
+            function,
+            args,
+            kwargs if kwargs is not None else {},
+            config=config,
+            num_processes=num_processes,
+            mixed_precision=mixed_precision,
+            start_method=start_method,
+            use_port=use_port,
+            master_addr=master_addr,
+            node_rank=node_rank,
+            num_nodes=num_nodes,
+            timeout=timeout,
+            env=env,
+            return_all=return_all,
+        )
+    except (TypeError, ValueError, RuntimeError, OSError) as exc:
+        if os.environ.get("NBACCEL_DEBUG"):
+            raise
+        _bad_input(exc)
     try:
         payloads = run_plan(plan, view if view is not None else choose_view(progress), preload)
         if return_all:
@@ -86,6 +92,14 @@ def notebook_launcher(
         shared_tensors.release(plan.specs[0].transfer if plan.specs else None)
 
 
+# Raise bad input's error without the validation frames below (plan.py, config, capabilities):
+# its message says what is wrong and what to do, and in a notebook those frames would bury it.
+# IPython shows this one frame (it never hides the innermost, and shows the lines of its
+# function: so no docstring here); NBACCEL_DEBUG=1 keeps every frame.
+def _bad_input(exc: BaseException) -> None:
+    raise exc.with_traceback(None)
+
+
 def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
     """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
     __tracebackhide__ = True
@@ -93,7 +107,11 @@ def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[
         ensure_server(tuple(preload))
     state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
     group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
-    group.start()
+    try:
+        group.start()  # stops what it started on any failure
+    except KeyboardInterrupt as exc:
+        # Re-raised here so the notebook shows this (hidden) frame, not group.py's source.
+        raise KeyboardInterrupt(*exc.args) from None
     try:
         return Relay(group, state, view, plan.timeout).run()
     except KeyboardInterrupt:

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
@@ -195,6 +195,17 @@ def _resolve_num_processes(requested: int | None) -> int:
 
 
 def _resolve_port(use_port: int | str, master_addr: str, node_rank: int, num_nodes: int) -> int:
+    try:
+        return _check_port(use_port, master_addr, node_rank, num_nodes)
+    except OSError as exc:  # socket.gaierror: a name that does not resolve; or not this host's
+        raise ValueError(
+            f"master_addr={master_addr!r} cannot be used for the rendezvous "
+            f"({exc.strerror or exc}). On one machine leave the default '127.0.0.1'; across "
+            "machines pass the address of node 0 as the other nodes reach it."
+        ) from None
+
+
+def _check_port(use_port: int | str, master_addr: str, node_rank: int, num_nodes: int) -> int:
     if use_port == "auto":
         if num_nodes > 1:
             raise ValueError(
@@ -220,17 +231,25 @@ def _serialize(
     large tensors and arrays go into one shared-memory block for all ranks (shared_tensors)."""
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise TypeError(f"args must be a tuple or list of arguments, got {type(args).__name__}.")
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(
+            "kwargs must be a dict of keyword arguments by name, e.g. kwargs={'lr': 0.1}, "
+            f"got {type(kwargs).__name__}"
+            + (" with keys that are not strings." if isinstance(kwargs, Mapping) else ".")
+        )
     name = getattr(function, "__qualname__", repr(function))
     try:
         function_bytes = pickling.dumps(function)
     except Exception as exc:
         if getattr(exc, "nbaccel_hint", False):  # the error already says what to do
-            raise TypeError(f"{name} cannot start: {exc}") from exc
+            raise TypeError(f"{name} cannot start: {exc}") from None
+        # `from None`: the message holds the cause's text; the pickler's own chained traceback
+        # (dozens of cloudpickle frames) would bury it in a notebook.
         raise TypeError(
             f"the function {name} cannot be sent to the ranks: {type(exc).__name__}: {exc}. "
             "Something it refers to (a global, a closure variable) cannot be pickled; create "
             "that object inside the function instead."
-        ) from exc
+        ) from None
 
     shared_tensors.sweep_stale()
     packer = shared_tensors.Packer()
@@ -240,12 +259,12 @@ def _serialize(
             return packer.dumps(value)
         except Exception as exc:
             if getattr(exc, "nbaccel_hint", False):
-                raise TypeError(f"{label} ({type(value).__name__}): {exc}") from exc
+                raise TypeError(f"{label} ({type(value).__name__}): {exc}") from None
             raise TypeError(
                 f"{label} ({type(value).__name__}) cannot be sent to the ranks: "
                 f"{type(exc).__name__}: {exc}. Pass something picklable (e.g. a path or the "
                 "parameters to build it) and create the object inside the function."
-            ) from exc
+            ) from None
 
     arg_bytes = [dump(a, f"args[{i}]") for i, a in enumerate(args)]
     kwarg_bytes = {k: dump(v, f"kwargs[{k!r}]") for k, v in kwargs.items()}
