@@ -186,6 +186,14 @@ def test_utils_names(name):
     assert getattr(nbaccel.utils, name) is not None
 
 
+def test_distributed_type_has_accelerates_members():
+    import accelerate.utils
+
+    theirs = {m.name: m.value for m in accelerate.utils.DistributedType}
+    ours = {m.name: m.value for m in nbaccel.utils.DistributedType}
+    assert ours == theirs  # names and values: `== DistributedType.MULTI_XPU` ports unchanged
+
+
 def test_config_dataclasses_have_accelerates_fields():
     import dataclasses
 

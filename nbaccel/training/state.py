@@ -33,6 +33,16 @@ class DistributedType(str, enum.Enum):
     FSDP = "FSDP"
     DEEPSPEED = "DEEPSPEED"
     XLA = "XLA"  # torch_xla's PJRT runtime: TPU, or XLA's CPU devices (nbaccel.training.xla)
+    # Accelerate's other kinds, so ported comparisons (``== DistributedType.MULTI_XPU``) run;
+    # nbaccel never reports them (it runs on CPU, CUDA GPUs and XLA).
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 @dataclasses.dataclass(frozen=True)
