@@ -132,8 +132,17 @@ class KernelSession:
             messages.append(msg)
             if on_message is not None:
                 on_message(msg)
-        reply = self.client.get_shell_msg(timeout=timeout)
-        return Cell(messages, reply["content"])
+        return Cell(messages, self.shell_reply(msg_id, timeout)["content"])
+
+    def shell_reply(self, msg_id: str, timeout: float = 30) -> dict[str, Any]:
+        """The shell reply to request ``msg_id``, skipping replies to earlier requests, which
+        would otherwise answer this one: jupyter_client's ``wait_for_ready`` re-sends
+        kernel_info every second while a loaded kernel starts and reads only one reply."""
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.client.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.1))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
 
     def interrupt(self) -> None:
         self.manager.interrupt_kernel()
