@@ -117,7 +117,10 @@ class RanksMagics(Magics):
             timeout=a.timeout,
             gpus=a.gpus,
         )
-        self.session = Ranks(**self._start_args)
+        try:
+            self.session = Ranks(**self._start_args)
+        except ValueError as exc:  # a ConfigError: a bad -n, --strategy, --mixed_precision, ...
+            raise UsageError(f"%ranks start: {exc}\n\n{USAGE.splitlines()[0]}") from None
         print(
             f"nbaccel: {self.session.world_size} ranks ready ({self.session._plan.info.describe()})"
         )
@@ -154,7 +157,11 @@ class RanksMagics(Magics):
         missing = [n for n in words if n not in self.shell.user_ns]
         if not words or missing:
             raise UsageError(f"%ranks push NAME ...: {missing or 'which names?'} not defined here.")
-        self._session().push(**{n: self.shell.user_ns[n] for n in words})
+        session = self._session()
+        try:
+            session.push(**{n: self.shell.user_ns[n] for n in words})
+        except TypeError as exc:  # the value cannot be pickled: nothing was sent
+            raise UsageError(f"%ranks push: {exc}") from None
 
     def _cmd_auto(self, words: list[str]) -> None:
         if words not in (["on"], ["off"]):
@@ -171,7 +178,13 @@ class RanksMagics(Magics):
 
         a = _CELL.parse_args(shlex.split(line))
         timeout = a.timeout if a.timeout is not None else UNSET
-        reprs = self._session().run(cell, ranks=a.rank, timeout=timeout, values=False)
+        session = self._session()
+        if session.started:
+            try:
+                session._select(a.rank)
+            except ValueError as exc:
+                raise UsageError(f"%%ranks --rank: {exc}") from None
+        reprs = session.run(cell, ranks=a.rank, timeout=timeout, values=False)
         ranks = a.rank if a.rank is not None else range(len(reprs))
         for rank, text in zip(sorted(set(ranks)), reprs, strict=True):
             if text is not None:
@@ -180,6 +193,11 @@ class RanksMagics(Magics):
     def _session(self) -> Any:
         if self.session is None:
             raise UsageError("no ranks are running; start them with `%ranks start -n 2`.")
+        if not self.session.started and not self.session.broken:  # broken: its own message
+            raise UsageError(
+                "the ranks are not running (they were stopped); start them again with "
+                "`%ranks restart` (same settings) or `%ranks start -n 2`."
+            )
         return self.session
 
     def _stop_at_exit(self) -> None:

@@ -148,6 +148,15 @@ class Relay:
         if lines:
             self.view.output(rank, stream, lines)
 
+    def flush_partial(self, rank: int) -> None:
+        """Show ``rank``'s unfinished stdout/stderr lines now (a session's cell has ended)."""
+        for stream in ("stdout", "stderr"):
+            splitter = self._splitters.get((rank, stream))
+            if splitter is not None:
+                self._emit_lines(rank, stream, splitter.flush())
+                if hasattr(self.view, "partial"):  # shown now: not again as a live line
+                    self.view.partial(rank, stream, "")
+
     def watch(self, fd: int, data: tuple[RankProcess, str]) -> None:
         """Also wake the loop for ``fd`` (e.g. a session's command connection)."""
         self.selector.register(fd, selectors.EVENT_READ, data)

@@ -175,6 +175,7 @@ class Ranks:
 
     def stop(self) -> None:
         """Stop every rank (each leaves its command loop; stragglers get SIGTERM, then SIGKILL)."""
+        self.broken = None  # once stopped on purpose, the session is simply not running
         if not self.started:
             return
         for conn in self._connections.values():
@@ -274,10 +275,16 @@ class Ranks:
     def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
         """Give every (or the listed) rank these names, e.g. ``ranks.push(lr=0.1)``."""
         __tracebackhide__ = True
-        try:
-            payload = {k: pickling.dumps(v) for k, v in values.items()}
-        except Exception as exc:
-            raise TypeError(f"a pushed value cannot be sent to the ranks: {exc}") from exc
+        payload = {}
+        for name, value in values.items():
+            try:
+                payload[name] = pickling.dumps(value)
+            except Exception as exc:
+                raise TypeError(
+                    f"{name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}. "
+                    "Push plain data, tensors or a state_dict, or create it on the ranks in a "
+                    "%%ranks cell."
+                ) from exc
         self._run(Command(cell=0, kind="push", values=payload), ranks, UNSET)
 
     def status(self) -> StatusTable:

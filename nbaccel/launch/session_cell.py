@@ -184,13 +184,15 @@ class _Follow:
             with contextlib.suppress(OSError, ValueError):
                 while self.relay.read(r, kind):
                     pass
+        # A cell's unfinished last line (print(..., end=""), an input() prompt) is this cell's.
+        self.relay.flush_partial(rank)
 
     def _on_exit(self, rank: int) -> None:
         r = self.processes[rank]
         with contextlib.suppress(OSError, ValueError):
             self.relay.drain(r)
         code = self.relay.group.collect_exit(r)
-        crash = self.relay.state.ranks[rank].diag.strip()
+        crash = crash_stack(self.relay.state.ranks[rank].diag)
         raise RanksBrokenError(f"rank {rank} {describe_exit(code)}", self._failures_text() + crash)
 
     def _check_collectives(self) -> None:
@@ -200,14 +202,26 @@ class _Follow:
             return
         for rank, (message, since) in self.blocked.items():
             if now - since > COLLECTIVE_GRACE:
-                where = f" ({message.where})" if message.where else ""
-                others = ", ".join(map(str, idle))
-                raise RanksBrokenError(
-                    f"rank {rank} waits in torch.distributed.{message.op}{where} for rank "
-                    f"{others}, which {'has' if len(idle) == 1 else 'have'} already finished "
-                    "this cell, so the collective can never complete",
-                    self._failures_text(),
-                )
+                raise RanksBrokenError(self._half_done(rank, message, idle), self._failures_text())
+
+    def _half_done(self, rank: int, message: Blocked, idle: list[int]) -> str:
+        """Why ``rank``'s collective can never complete: who left it, and how."""
+        op = f"torch.distributed.{message.op}" + (f" ({message.where})" if message.where else "")
+        stopped = [r for r in idle if r in self.done and self.done[r].interrupted]
+        if stopped:
+            # The Stop button, not the cell, left it half-done; gloo/NCCL waits are C++ and
+            # cannot be interrupted, so the group cannot go on.
+            who = ", ".join(map(str, stopped))
+            return (
+                f"the interrupt stopped rank {who} before it reached the {op} that rank {rank} "
+                "is blocked in, and a rank cannot be freed from a collective"
+            )
+        others = ", ".join(map(str, idle))
+        return (
+            f"rank {rank} waits in {op} for rank {others}, which "
+            f"{'has' if len(idle) == 1 else 'have'} already finished this cell, so the "
+            "collective can never complete"
+        )
 
     def _interrupt(self) -> None:
         self.interrupted_at = time.monotonic()
@@ -304,5 +318,26 @@ def cell_stack(dump: str) -> str:
     blocks = dump.strip().split("\n\n")
     main = next((b for b in blocks if b.startswith("Current thread")), dump.strip())
     plumbing = ("nbaccel/rank/session_entry.py", "nbaccel/rank/entry.py", "/multiprocessing/")
-    plumbing += ('File "<string>"',)
+    plumbing += ('File "<string>"', "forkserver.py")
     return "\n".join(ln for ln in main.splitlines() if not any(p in ln for p in plumbing))
+
+
+def crash_stack(diag: str) -> str:
+    """A rank's fatal crash (segfault, abort) as the user needs it: faulthandler's first line
+    and the crashed thread's frames in the cell's code, without nbaccel's command loop, the
+    fork server and multiprocessing frames below it, or the list of extension modules.
+    "" when the rank's diagnostics hold no crash (e.g. it was killed, or called os._exit).
+
+    >>> crash_stack('Fatal Python error: Segmentation fault\\n\\n'
+    ...             'Current thread 0x2 (most recent call first):\\n'
+    ...             '  File "<rank cell 3>", line 2 in <module>\\n'
+    ...             '  File "/py/multiprocessing/process.py", line 108 in run\\n\\n'
+    ...             'Extension modules: numpy, torch (total: 2)')
+    'Fatal Python error: Segmentation fault\\n\\nCurrent thread 0x2 (most recent call first):\\n  File "<rank cell 3>", line 2 in <module>'
+    """
+    start = diag.rfind("Fatal Python error")
+    if start < 0:
+        return ""
+    crash = diag[start:].strip()
+    head = crash.split("\n\n", 1)[0]
+    return f"{head}\n\n{cell_stack(crash)}"

@@ -105,10 +105,22 @@ def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int
             done.value = _pickle_value(value, command.kind)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
         done.interrupted = isinstance(exc, KeyboardInterrupt) and cell.interrupted
+        if done.interrupted:
+            _drop_handler_frame(exc)
         done.failure = exit.failure_event(exc, rank, _is_plumbing)
     done.names = _summary(namespace)
     done.device, done.gpu_memory = _device()
     return done
+
+
+def _drop_handler_frame(exc: BaseException) -> None:
+    """The kernel's interrupt is raised in this module's SIGINT handler: the traceback shown
+    for it ends in the user's line, not in nbaccel's handler frame."""
+    tb, last = exc.__traceback__, None
+    while tb is not None and tb.tb_next is not None:
+        last, tb = tb, tb.tb_next
+    if last is not None and tb is not None and _is_plumbing(tb.tb_frame.f_code.co_filename):
+        last.tb_next = None
 
 
 def _pickle_value(value: Any, kind: str) -> bytes:
