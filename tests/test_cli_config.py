@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
-import nbaccel
+from nbaccel.core import hardware
 from nbaccel.core.config import LaunchConfig
 from tests.test_cli_support import run_cli
+
+# As written by `accelerate config` (accelerate 1.x) for 2 machines of 2 GPUs.
+ACCELERATE_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+gpu_ids: all
+machine_rank: 0
+main_process_ip: null
+main_process_port: null
+main_training_function: main
+mixed_precision: bf16
+num_machines: 2
+num_processes: 4
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
 
 
 def test_interactive_answers_are_written(tmp_path):
@@ -53,7 +76,7 @@ def test_default_and_show(tmp_path):
     target = tmp_path / "sub" / "cfg.yaml"
     result = run_cli("config", "--default", "--config_file", str(target), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    expected = nbaccel.core.hardware.detect().gpu_count or 1
+    expected = hardware.detect().gpu_count or 1
     assert LaunchConfig.load(target).num_processes == expected
     shown = run_cli("config", "--show", "--config_file", str(target), cwd=tmp_path)
     assert shown.returncode == 0
@@ -69,7 +92,10 @@ def test_malformed_files_name_file_line_and_key(tmp_path):
     not_yaml = tmp_path / "broken.yaml"
     not_yaml.write_text("num_processes: 2\n  strategy: [ddp\n")
     for path, expected in [
-        (unknown, f"{unknown}, line 2: unknown key 'mixed_precison'"),
+        (
+            unknown,
+            f"{unknown}, line 2: unknown key 'mixed_precison'; did you mean 'mixed_precision'?",
+        ),
         (bad_value, f"{bad_value}, line 2, key 'strategy'"),
         (not_yaml, f"{not_yaml}, line "),
     ]:
@@ -88,3 +114,15 @@ def test_show_without_a_file_says_how_to_make_one(tmp_path):
     result = run_cli("config", "--show", "--config_file", str(tmp_path / "none.yaml"), cwd=tmp_path)
     assert result.returncode == 2
     assert "nbaccel config" in result.stderr
+
+
+def test_accelerate_config_is_named_with_a_way_on(tmp_path):
+    accel = tmp_path / "default_config.yaml"
+    accel.write_text(ACCELERATE_CONFIG)
+    result = run_cli("launch", "--config_file", str(accel), str(tmp_path / "x.py"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "written by `accelerate config`" in result.stderr
+    assert "nbaccel config" in result.stderr
+    # Accelerate counts processes over all machines; nbaccel per machine.
+    assert "--num_processes 2 --mixed_precision bf16 --num_machines 2" in result.stderr

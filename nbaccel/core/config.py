@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from nbaccel.core import deepspeed_settings, fsdp_settings
+from nbaccel.core import config_hints, deepspeed_settings, fsdp_settings
 from nbaccel.core.atomic import atomic_write
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
@@ -210,6 +210,8 @@ class LaunchConfig:
                 f"{source}, line {root.start_mark.line + 1}: expected 'key: value' lines."
             )
         known = {f.name for f in dataclasses.fields(cls)}
+        if config_hints.looks_like_accelerate(k.value for k, _ in root.value):
+            raise ConfigError(config_hints.accelerate_message(source, yaml.safe_load(text)))
         values: dict[str, Any] = {}
         lines: dict[str, int] = {}
         for key_node, value_node in root.value:
@@ -217,8 +219,8 @@ class LaunchConfig:
             line = key_node.start_mark.line + 1
             if key not in known:
                 raise ConfigError(
-                    f"{source}, line {line}: unknown key {key!r}; known keys are "
-                    f"{', '.join(sorted(known))}."
+                    f"{source}, line {line}: unknown key {key!r}; "
+                    + config_hints.unknown_key_hint(str(key), known)
                 )
             values[key] = yaml.safe_load(yaml.serialize(value_node))
             lines[key] = line
