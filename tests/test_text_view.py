@@ -77,3 +77,18 @@ def test_unfinished_line_is_shown_once_and_then_only_its_rest(capfd):
     assert out.index("[rank0] loading...") + 1 == out.index("[rank0] … done")
     assert captured.err.count("no newline at end") == 1, captured.err
     assert "[rank0] no newline at end" in err
+
+
+def precision_set_in_code():
+    acc = nbaccel.Accelerator(mixed_precision="bf16")
+    time.sleep(0.5)  # the kernel sees the rank's settings while it runs
+    return acc.mixed_precision
+
+
+def test_settings_set_in_code_are_said_even_without_progress(capfd):
+    # The opening line gives the launch's settings as defaults; the function's Accelerator
+    # may set its own, and the user is told once, also with progress=False (no summary).
+    nbaccel.notebook_launcher(precision_set_in_code, num_processes=1, progress=False)
+    out = capfd.readouterr().out
+    assert "mixed_precision=no, strategy=ddp (unless set in code)," in out
+    assert out.count("nbaccel: the ranks run mixed_precision=bf16 (set in code)") == 1, out

@@ -185,6 +185,35 @@ def describe(state: LaunchState) -> str:
     return text
 
 
+def banner(state: LaunchState) -> str:
+    """The opening line's settings: the launch's, said to be defaults the function may change
+    (an ``Accelerator(mixed_precision=..., fsdp_plugin=...)`` sets its own).
+
+    Example: ``2 processes on cpu (gloo), mixed_precision=no, strategy=ddp (unless set in
+    code), forkserver, 127.0.0.1:29500``
+    """
+    info = state.info
+    text = info.describe()
+    return text.replace(
+        f"strategy={info.strategy},", f"strategy={info.strategy} (unless set in code),", 1
+    )
+
+
+def settings_changed(state: LaunchState) -> str:
+    """What the ranks run that differs from the launch's settings ("" if nothing or not known
+    yet), e.g. ``"strategy=fsdp, mixed_precision=bf16"``."""
+    effective = [r.effective for r in state.ranks.values() if r.effective]
+    if not effective:
+        return ""
+    first = effective[0]
+    changed = [
+        f"{key}={first[key]}"
+        for key in ("strategy", "mixed_precision")
+        if first.get(key) and first[key] != str(getattr(state.info, key))
+    ]
+    return ", ".join(changed)
+
+
 def _rows(state: LaunchState) -> tuple[list[str], list[list[str]]]:
     """Header and rows; the progress, memory and metrics columns only where some rank has them."""
     ranks = sorted(state.ranks.values(), key=lambda r: r.rank)

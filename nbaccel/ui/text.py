@@ -11,10 +11,12 @@ from nbaccel.core.launch_state import LaunchState
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import (
     STRAGGLER_MARK,
+    banner,
     format_memory,
     format_metrics,
     format_progress,
     run_line,
+    settings_changed,
     stall_text,
     summary_text,
 )
@@ -44,12 +46,13 @@ class TextView:
         self._partial: dict[tuple[int, str], tuple[str, float]] = {}
         self._printed_partial: dict[tuple[int, str], str] = {}
         self._stall_shown = ""
+        self._settings_shown = False
         self._memory = MemorySampler()
 
     def start(self, state: LaunchState) -> None:
         self._state = state
         self._last_progress = time.monotonic()
-        print(f"nbaccel: launching {state.info.describe()}", file=sys.stdout)
+        print(f"nbaccel: launching {banner(state)}", file=sys.stdout)
 
     def output(self, rank: int, stream: str, lines: list[str]) -> None:
         if self._state is not None and rank in self._state.ranks:
@@ -77,6 +80,7 @@ class TextView:
     def update(self) -> None:
         now = time.monotonic()
         self._print_quiet_partials(now)
+        self._print_settings()
         if now - self._last_flush >= 0.1:
             self._flush()
             self._last_flush = now
@@ -116,7 +120,17 @@ class TextView:
                 if line is not None:
                     target.write(f"[rank{rank}] {line}\n")
 
+    def _print_settings(self) -> None:
+        """Once: what the function's Accelerator set that differs from the opening line."""
+        if self._settings_shown or self._state is None:
+            return
+        changed = settings_changed(self._state)
+        if changed:
+            self._settings_shown = True
+            print(f"nbaccel: the ranks run {changed} (set in code)", file=sys.stdout)
+
     def finish(self) -> None:
+        self._print_settings()
         if self._state is not None and self.show_progress:
             self._memory.sample(self._state, force=True)
             print(summary_text(self._state), file=sys.stdout)
