@@ -8,6 +8,10 @@ the rank's own traceback instead of a bare exit code.
 
 The traceback is trimmed to start at the user's code; the launcher prints it once in its final
 summary. Run outside a launcher (no error file), the traceback goes to stderr as usual.
+
+Containment (Linux, :mod:`nbaccel.rank.script_guard`): the worker process elastic starts is a
+guard and the script runs in its child, so nothing the script starts outlives the rank, and
+the rank dies with the launcher even when the launcher is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 
 from nbaccel.core.atomic import atomic_write
 from nbaccel.core.config import ENV_LAUNCHER
-from nbaccel.rank import exit, torch_fixes, tqdm_hook
+from nbaccel.rank import exit, script_guard, torch_fixes, tqdm_hook
 
 USAGE = "usage: python -m nbaccel.rank.script_entry SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
@@ -115,5 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # End without interpreter teardown, where torch's process-group destructors can deadlock
-    # (see torch_fixes); the script's atexit hooks still run.
-    exit.leave(main())
+    # (see torch_fixes); the script's atexit hooks still run. On Linux the script runs below a
+    # guard process that stops everything it leaves, even when the launcher is SIGKILLed.
+    script_guard.run_guarded(lambda: exit.leave(main()))
