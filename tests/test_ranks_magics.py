@@ -202,8 +202,8 @@ def test_stop_during_a_collective_says_the_interrupt_left_it_half_done(ranks):
         "if accelerator.process_index == 0:\n    time.sleep(30)\n"
         "t = torch.ones(1)\ndist.all_reduce(t)"
     )
-    started = time.monotonic()  # after 2 s rank 1 is in the all_reduce; rank 0 still sleeps
-    cell = ranks.execute(code, timeout=60, on_message=_interrupt_after(ranks, "waiting", 2.0))
+    started = time.monotonic()  # after 3 s rank 1 is in the all_reduce; rank 0 still sleeps
+    cell = ranks.execute(code, timeout=60, on_message=_interrupt_after(ranks, "waiting", 3.0))
     assert time.monotonic() - started < 25
     text = cell.error_text
     assert "the interrupt stopped rank 0 before it reached the torch.distributed.all_reduce" in text
