@@ -114,6 +114,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"
 
+    # torch.optim.Optimizer's own __getstate__/__setstate__ expect the state on self; here it
+    # all lives in the wrapped optimizer, which pickles itself (as Accelerate's wrapper does).
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
 
 class PreparedScheduler:
     """An LR scheduler that advances once per process for each real optimizer step.
