@@ -238,8 +238,12 @@ def _serialize(
             + (" with keys that are not strings." if isinstance(kwargs, Mapping) else ".")
         )
     name = getattr(function, "__qualname__", repr(function))
+    shared_tensors.sweep_stale()
+    # The function goes through the same packer as the arguments: a large tensor it uses as a
+    # global (pickled with a notebook's function) is shared memory too, not pickled per rank.
+    packer = shared_tensors.Packer()
     try:
-        function_bytes = pickling.dumps(function)
+        function_bytes = packer.dumps(function)
     except Exception as exc:
         if getattr(exc, "nbaccel_hint", False):  # the error already says what to do
             raise TypeError(f"{name} cannot start: {exc}") from None
@@ -251,8 +255,6 @@ def _serialize(
             "that object inside the function instead."
         ) from None
 
-    shared_tensors.sweep_stale()
-    packer = shared_tensors.Packer()
 
     def dump(value: Any, label: str) -> bytes:
         try:
