@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from nbaccel.core import fsdp_settings as settings
@@ -110,6 +111,10 @@ class FullyShardedDataParallelPlugin:
     forward_prefetch: bool | None = None
     use_orig_params: bool | None = None
     limit_all_gathers: bool | None = None
+    # FSDP1's state dict configs (FullStateDictConfig, FullOptimStateDictConfig, ...): their
+    # offload_to_cpu/rank0_only choose how full state dicts are gathered (state_dict_options).
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
 
     def __post_init__(self) -> None:
         try:
@@ -222,6 +227,20 @@ class FullyShardedDataParallelPlugin:
             ignored = [m for name, m in model.named_modules() if pattern.fullmatch(name)]
         return {p for m in ignored for p in m.parameters()}
 
+    def state_dict_options(self, optimizer: bool = False) -> StateDictOptions:
+        """How ``get_state_dict``/``save_state`` gather full state dicts: on every rank, or
+        (``offload_to_cpu``/``rank0_only`` in ``state_dict_config``, resp.
+        ``optim_state_dict_config``) on rank 0 only, in CPU memory, as FSDP2 does both at once.
+
+        >>> from torch.distributed.fsdp import FullStateDictConfig
+        >>> cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        >>> FullyShardedDataParallelPlugin(state_dict_config=cfg).state_dict_options().cpu_offload
+        True
+        """
+        config = self.optim_state_dict_config if optimizer else self.state_dict_config
+        to_rank0 = any(_setting(config, name) for name in ("offload_to_cpu", "rank0_only"))
+        return StateDictOptions(full_state_dict=True, cpu_offload=to_rank0)
+
     @property
     def offloads_to_cpu(self) -> bool:
         """Whether sharded parameters live in CPU memory between uses."""
@@ -253,6 +272,12 @@ class FullyShardedDataParallelPlugin:
                 )
             return _by_class(model, names)
         return None
+
+
+def _setting(config: Any, name: str) -> bool:
+    """``config.name`` of an FSDP1 state dict config (or a dict), False when absent."""
+    value = config.get(name) if isinstance(config, dict) else getattr(config, name, False)
+    return bool(value)
 
 
 def _reshard_for(strategy: Any) -> bool:

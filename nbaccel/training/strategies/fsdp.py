@@ -143,7 +143,9 @@ class FSDPStrategy(Strategy):
     def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         if not isinstance(module, FSDPModule):
             return module.state_dict()
-        return get_model_state_dict(module, options=_FULL)  # a collective: every rank calls it
+        # A collective: every rank calls it (rank 0 alone gets it with state_dict_config's
+        # offload_to_cpu/rank0_only, as Accelerate's FSDP2 gathering).
+        return get_model_state_dict(module, options=self.plugin.state_dict_options())
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
         if not isinstance(module, FSDPModule):
@@ -156,7 +158,8 @@ class FSDPStrategy(Strategy):
     ) -> dict[str, Any]:
         if not isinstance(module, FSDPModule):
             return optimizer.state_dict()
-        return get_optimizer_state_dict(module, optimizer, options=_FULL)
+        options = self.plugin.state_dict_options(optimizer=True)
+        return get_optimizer_state_dict(module, optimizer, options=options)
 
     def load_optimizer_state_dict(
         self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
