@@ -81,17 +81,18 @@ def test_sigkill_of_launch_stops_ranks_and_their_children(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_of_launch_stops_ranks_and_their_children(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_signalled_launch_stops_ranks_and_their_children(tmp_path, sig):
     cli, marker = _launch(tmp_path, "hang")
     try:
         _wait_ready(tmp_path, cli)
-        os.kill(cli.pid, signal.SIGTERM)
+        os.kill(cli.pid, sig)
         _, err = cli.communicate(timeout=60)
     finally:
         if cli.poll() is None:
             cli.kill()
-    assert cli.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err
+    assert cli.returncode == 128 + sig, err
+    assert f"stopped by {sig.name}" in err
     _assert_nothing_left(marker)
 
 
@@ -105,3 +106,21 @@ def test_script_end_stops_what_it_left_running(tmp_path):
     left = processes_mentioning(marker, wait=0.0)
     _assert_nothing_left(marker)
     assert not left
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="subreaper/PDEATHSIG: Linux")
+def test_sigkill_of_one_rank_stops_what_it_started(tmp_path):
+    cli, marker = _launch(tmp_path, "hang")
+    try:
+        _wait_ready(tmp_path, cli)
+        guards = [p for p in processes_mentioning(marker, wait=0.0) if p.ppid() == cli.pid]
+        assert len(guards) == 2, [(p.pid, p.ppid(), p.cmdline()) for p in guards]
+        guards[0].kill()  # the worker process torch elastic watches
+        _, err = cli.communicate(timeout=120)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == 1, err
+    assert "SIGKILL" in err
+    _assert_nothing_left(marker)

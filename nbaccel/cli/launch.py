@@ -33,6 +33,7 @@ from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
 from nbaccel.core.config import LaunchConfig
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.core.failures import describe_exit, describe_raise
+from nbaccel.rank import containment
 
 # Global rank, like the notebook's TextView labels.
 LINE_PREFIX = "[rank${rank}] "
@@ -184,6 +185,10 @@ def launch(args: argparse.Namespace) -> int:
     _set_environment(cfg, nprocs)
     _quiet_elastic_logs()
     log_dir = tempfile.mkdtemp(prefix="nbaccel-launch-")
+    # A rank's guard that is itself SIGKILLed leaves orphans; they re-parent here and are
+    # stopped when the launch ends (see nbaccel.rank.script_guard for the rest). Only in a
+    # process with no children yet (the `nbaccel` command), so nothing else of ours is stopped.
+    subreaper = not containment.descendants() and containment.set_subreaper()
     argv = torchrun_arguments(cfg, nprocs, port, log_dir, target)
     try:
         torch_args = torch_run.parse_args(argv)
@@ -206,5 +211,7 @@ def launch(args: argparse.Namespace) -> int:
         print(f"nbaccel launch: stopped by {name}; all ranks were stopped.", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
+        if subreaper:
+            containment.stop_descendants()
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0

@@ -14,8 +14,19 @@ small *guard* and the script runs in a forked child of it:
 * when the script's process ends, the guard stops whatever it left running and exits with the
   same status (or the same signal), which is what elastic sees as the rank's result.
 
-Signals elastic sends to the group reach the script as before; the guard itself ignores them
-while its launcher is alive and only waits. Elsewhere (macOS) the script runs directly, as before.
+Signals elastic sends to the group reach the script as before; the guard itself ignores
+SIGTERM/SIGINT/SIGHUP while its launcher is alive and only waits (so signalling the guard's pid
+alone does nothing: signal the group, as elastic does, or the script's process). The script's
+``os.getppid()`` is the guard. Elsewhere (macOS) the script runs directly, as before.
+
+What is guaranteed (Linux, tested by argv marker on every process of the machine, in
+tests/test_cli_launch_containment.py): nothing a rank started — in its group, in a session of
+its own, or orphaned — is left running 5 s after (a) the script ends, (b) ``nbaccel launch``
+gets SIGTERM/SIGINT, (c) ``nbaccel launch`` is SIGKILLed, (d) one rank's worker process is
+SIGKILLed (orphans re-parent to ``nbaccel launch``, which stops them when the launch ends).
+Not covered: a process that ignores SIGTERM gets SIGKILL only after the grace period (2 s);
+the launcher and a guard SIGKILLed at once leave the guard's orphans to pid 1; a process that
+leaves the tree through a subreaper of its own is out of reach.
 
 Example::
 
