@@ -9,6 +9,9 @@ agent, rendezvous and restarts are torchrun's, not a copy. What nbaccel adds aro
 * output is labelled ``[rankN] text`` like notebook launches (torch's tee + line prefix);
 * a failure ends with the notebook's summary (:class:`~nbaccel.core.errors.RankFailedError`: the rank,
   its exception and traceback) instead of torchrun's ChildFailedError dump, and exit status 1;
+* nothing outlives the launch (Linux): each rank runs below a guard (:mod:`nbaccel.rank.script_guard`)
+  that stops what the script started, also when this process is SIGKILLed, and this process is
+  a child subreaper for what a SIGKILLed guard leaves;
 * a free port is picked for single-machine launches, OMP_NUM_THREADS is shared out between the
   ranks, and NBACCEL_* variables carry precision, strategy and accumulation to ``Accelerator()``.
 
