@@ -130,6 +130,16 @@ def test_refusals(tmp_path):
     assert other.read_text() == "# my own script\n"
 
 
+MINIMAL = "import nbaccel\ndef train(): return 1"
+
+
+def code_notebook(path, *sources):
+    """A notebook of code cells with these sources."""
+    cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    return path
+
+
 @pytest.mark.parametrize(
     "after",
     [
@@ -143,14 +153,8 @@ def test_refusals(tmp_path):
 def test_comment_only_cells_after_the_launch_compile(tmp_path, after):
     # Each of these cells becomes comments only; wrapped in a main guard they once gave an
     # `if __name__ == "__main__":` with no body, a script that did not compile.
-    cells = [
-        "import nbaccel\ndef train(): return 1",
-        "result = nbaccel.notebook_launcher(train, num_processes=2)\n" + after,
-        after,
-    ]
-    nb = tmp_path / "min.ipynb"
-    nb_cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    nbformat.write(nbformat.v4.new_notebook(cells=nb_cells), nb)
+    launch = "result = nbaccel.notebook_launcher(train, num_processes=2)\n"
+    nb = code_notebook(tmp_path / "min.ipynb", MINIMAL, launch + after, after)
     out = tmp_path / "min.py"
     result = run_cli("export", str(nb), "-o", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -158,14 +162,11 @@ def test_comment_only_cells_after_the_launch_compile(tmp_path, after):
 
 
 def test_ranks_cell_becomes_a_commented_block_with_a_warning(tmp_path):
-    cells = [
-        "import nbaccel\ndef train(): return 1",
+    nb = code_notebook(
+        tmp_path / "r.ipynb",
+        MINIMAL,
         "result = nbaccel.notebook_launcher(train, num_processes=2)",
         "%%ranks\nimport torch\nprint(torch.distributed.get_rank())",
-    ]
-    nb = tmp_path / "r.ipynb"
-    nbformat.write(
-        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), nb
     )
     with pytest.warns(UserWarning, match=r"cell 3 is a %%ranks cell.*keeps it as comments"):
         text = notebook_to_script(nb)
@@ -176,14 +177,8 @@ def test_ranks_cell_becomes_a_commented_block_with_a_warning(tmp_path):
 
 def test_script_that_would_not_compile_is_refused_and_not_written(tmp_path):
     # `return` at top level parses (ast) but does not compile: the check must catch it.
-    cells = [
-        "import nbaccel\ndef train(): return 1",
-        "nbaccel.notebook_launcher(train)",
-        "return 3",
-    ]
-    nb = tmp_path / "bad.ipynb"
-    nbformat.write(
-        nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), nb
+    nb = code_notebook(
+        tmp_path / "bad.ipynb", MINIMAL, "nbaccel.notebook_launcher(train)", "return 3"
     )
     out = tmp_path / "bad.py"
     result = run_cli("export", str(nb), "-o", str(out), cwd=tmp_path)
