@@ -168,11 +168,14 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         acc.scaler.load_state_dict(extra["precision"])
     acc.gradient_state.micro_step = int(extra["micro_step"])
     rng_file = path / f"random_states_{acc.process_index}.pt"
-    if not rng_file.exists():
-        raise FileNotFoundError(
-            f"{rng_file} is missing: the checkpoint was saved by fewer processes than this run "
-            f"has ({acc.num_processes}). Resume with the same number of processes."
+    if rng_file.exists():
+        restore_rng_state(_load(rng_file))
+    else:  # saved by fewer processes: continue as Accelerate does, this rank's RNG as it is
+        warnings.warn(
+            f"{rng_file} is missing (the checkpoint was saved by fewer processes than this "
+            f"run's {acc.num_processes}): rank {acc.process_index}'s random states are not "
+            "restored; everything else is.",
+            stacklevel=3,
         )
-    restore_rng_state(_load(rng_file))
     ops.barrier()
     return path
