@@ -4,6 +4,7 @@ argument, not pages of nbaccel's validation frames (real kernel, IPython's own t
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 
@@ -58,3 +59,28 @@ def test_input_errors_show_no_nbaccel_frames(kernel, call, ename, says):
     assert len(nbaccel_frames(text)) <= 1, text
     assert "During handling" not in text and "direct cause" not in text, text
     assert len(text.splitlines()) < 15, text
+
+
+def test_stop_while_ranks_start_shows_no_nbaccel_source(tmp_path):
+    # The fork server imports a slow preload module, so the launch is still starting ranks
+    # (waiting for the server) when the user presses Stop.
+    (tmp_path / "nbaccel_slow_preload.py").write_text("import time\ntime.sleep(8)\n")
+    with KernelSession(env={"NBACCEL_VIEW": "text", "PYTHONPATH": str(tmp_path)}) as k:
+        timers = []
+
+        def stop_soon(msg):
+            if msg["msg_type"] == "stream" and "go" in msg["content"]["text"] and not timers:
+                timers.append(threading.Timer(2.0, k.interrupt))
+                timers[0].start()
+
+        cell = k.execute(
+            "import nbaccel\n"
+            "def f():\n    return 1\n"
+            "print('go', flush=True)\n"
+            "nbaccel.notebook_launcher(f, num_processes=1, preload=('nbaccel_slow_preload',))",
+            on_message=stop_soon,
+        )
+    assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt", cell.error_text
+    text = cell.error_text
+    assert "launch interrupted" in text, text
+    assert "group.py" not in text and len(nbaccel_frames(text)) <= 1, text

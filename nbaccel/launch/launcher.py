@@ -82,7 +82,7 @@ def notebook_launcher(
     except (TypeError, ValueError, RuntimeError, OSError) as exc:
         if os.environ.get("NBACCEL_DEBUG"):
             raise
-        _bad_input(exc)
+        _raise_short(exc)
     try:
         payloads = run_plan(plan, view if view is not None else choose_view(progress), preload)
         if return_all:
@@ -92,26 +92,25 @@ def notebook_launcher(
         shared_tensors.release(plan.specs[0].transfer if plan.specs else None)
 
 
-# Raise bad input's error without the validation frames below (plan.py, config, capabilities):
-# its message says what is wrong and what to do, and in a notebook those frames would bury it.
-# IPython shows this one frame (it never hides the innermost, and shows the lines of its
-# function: so no docstring here); NBACCEL_DEBUG=1 keeps every frame.
-def _bad_input(exc: BaseException) -> None:
+# Raise `exc` without nbaccel's frames below: bad input (plan.py, config, capabilities) or a
+# Stop while ranks start (forkserver, group); the message says what happened and what to do,
+# and in a notebook those frames would bury it. IPython shows this one frame (it never hides
+# the innermost, and shows the lines of its function: so no docstring here).
+def _raise_short(exc: BaseException) -> None:
     raise exc.with_traceback(None)
 
 
 def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
     """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
     __tracebackhide__ = True
-    if plan.info.start_method == "forkserver":
-        ensure_server(tuple(preload))
     state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
     group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
     try:
+        if plan.info.start_method == "forkserver":
+            ensure_server(tuple(preload))
         group.start()  # stops what it started on any failure
-    except KeyboardInterrupt as exc:
-        # Re-raised here so the notebook shows this (hidden) frame, not group.py's source.
-        raise KeyboardInterrupt(*exc.args) from None
+    except KeyboardInterrupt as exc:  # Stop while starting: its message says what was stopped
+        _raise_short(exc)
     try:
         return Relay(group, state, view, plan.timeout).run()
     except KeyboardInterrupt:
