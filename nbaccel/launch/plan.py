@@ -255,7 +255,6 @@ def _serialize(
             "that object inside the function instead."
         ) from None
 
-
     def dump(value: Any, label: str) -> bytes:
         try:
             return packer.dumps(value)
