@@ -84,8 +84,10 @@ def _install_progress_hooks() -> None:
         print(f"nbaccel: progress hooks not installed: {exc}", file=sys.stderr)
 
 
-def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any) -> None:
-    """Entry point of a rank process (the target of its ``multiprocessing.Process``)."""
+def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_for: int) -> Any:
+    """Wire a fresh rank process up, in the one order every rank entry uses: signals, death
+    with the launcher, its own session (containment), output pipes, crash reports, then the
+    kernel's environment and state (``twin``). Returns the diagnostic stream."""
     # The kernel handles Ctrl-C/interrupt for everyone and stops ranks itself; N tracebacks
     # from N ranks would only bury the one that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -96,12 +98,17 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
     faulthandler.enable(file=diag, all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, file=diag, all_threads=True, chain=False)
-
     os.environ.clear()
     os.environ.update(spec.env)
     twin.apply(spec)
-    process_setup.share_cpu_threads(spec.local_world_size)
+    process_setup.share_cpu_threads(threads_for)
     pickling.install_sources(spec.sources)
+    return diag
+
+
+def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any) -> None:
+    """Entry point of a rank process (the target of its ``multiprocessing.Process``)."""
+    diag = set_up_process(spec, out_w, err_w, diag_w, threads_for=spec.local_world_size)
     events.install_channel(events_w, spec.rank)
     _install_progress_hooks()
     torch_fixes.keep_destroyed_process_groups_alive()

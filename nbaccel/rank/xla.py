@@ -13,20 +13,18 @@ devices work in torch_xla 2.9 (see its docstring). Only the launcher calls this 
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import functools
 import io
 import os
-import signal
 import sys
 import threading
 from typing import Any
 
 import cloudpickle
 
-from nbaccel.core import events, pickling
-from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
-from nbaccel.rank import containment, entry, exit, process_setup, reporting, torch_fixes, twin
+from nbaccel.core import events
+from nbaccel.core.events import RankSpec
+from nbaccel.rank import entry, exit, reporting, torch_fixes
 
 entry.PLUMBING_FILES.add(__file__)  # _start_then_call is not the user's frame
 _local = threading.local()  # .rank: the rank the current device thread runs as
@@ -206,20 +204,8 @@ def run_device_threads(specs: list[RankSpec], pipes: list[tuple[Any, Any, Any, A
     """
     first = specs[0]
     out_w, err_w, diag_w, _ = pipes[0]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel stops ranks itself
-    containment.reset_inherited_handlers()
-    process_setup.die_with_parent()
-    containment.become_subreaper_session()
-    process_setup.redirect_output(out_w.fileno(), err_w.fileno())
-    diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
-    faulthandler.enable(file=diag, all_threads=True)
-    faulthandler.register(STACK_DUMP_SIGNAL, file=diag, all_threads=True, chain=False)
-
-    os.environ.clear()
-    os.environ.update(first.env)
-    twin.apply(first)
-    process_setup.share_cpu_threads(1)  # one process: XLA's own thread pools share the cores
-    pickling.install_sources(first.sources)
+    # One process: XLA's own thread pools share the cores, so 1 thread for torch's intra-op.
+    diag = entry.set_up_process(first, out_w, err_w, diag_w, threads_for=1)
     channels = {}
     for spec, (_, _, _, events_w) in zip(specs, pipes):
         events.install_channel(events_w, spec.rank)
