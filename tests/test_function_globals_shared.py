@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nbaccel
-from nbaccel.launch.plan import UNSET, resolve_plan
+from nbaccel.launch.plan import resolve_plan
 
 SOURCE = "def uses_global():\n    return int(big.sum()), big.shape[0]\n"
 
@@ -21,22 +21,7 @@ def notebook_function(big: torch.Tensor):
 
 
 def plan_for(function):
-    return resolve_plan(
-        function,
-        (),
-        {},
-        config=None,
-        num_processes=1,
-        mixed_precision=UNSET,
-        start_method="auto",
-        use_port="auto",
-        master_addr="127.0.0.1",
-        node_rank=0,
-        num_nodes=1,
-        timeout=None,
-        env=None,
-        return_all=False,
-    )
+    return resolve_plan(function, (), {}, num_processes=1)
 
 
 def test_a_large_global_is_not_pickled_into_the_job():

@@ -10,7 +10,7 @@ import pytest
 
 from nbaccel.core import hardware, xla_runtime
 from nbaccel.launch import xla
-from nbaccel.launch.plan import UNSET, resolve_plan
+from nbaccel.launch.plan import resolve_plan
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
@@ -20,11 +20,7 @@ def work() -> int:
 
 
 def _plan(n: int, env: dict[str, str | None]):
-    return resolve_plan(
-        work, (), {}, config=None, num_processes=n, mixed_precision=UNSET,
-        start_method="auto", use_port="auto", master_addr="127.0.0.1", node_rank=0,
-        num_nodes=1, timeout=None, env=env, return_all=False,
-    )  # fmt: skip
+    return resolve_plan(work, (), {}, num_processes=n, env=env)
 
 
 def test_plain_launch_is_left_alone():

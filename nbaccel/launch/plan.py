@@ -38,19 +38,20 @@ def resolve_plan(
     args: Sequence[Any],
     kwargs: dict[str, Any],
     *,
-    config: LaunchConfig | None,
-    num_processes: Any,
-    mixed_precision: Any,
-    start_method: str,
-    use_port: int | str,
-    master_addr: str,
-    node_rank: int,
-    num_nodes: int,
-    timeout: float | None,
-    env: dict[str, str | None] | None,
-    return_all: bool,
+    config: LaunchConfig | None = None,
+    num_processes: Any = UNSET,
+    mixed_precision: Any = UNSET,
+    start_method: str = "auto",
+    use_port: int | str = "auto",
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    timeout: float | None = None,
+    env: dict[str, str | None] | None = None,
+    return_all: bool = False,
 ) -> LaunchPlan:
-    """Check the inputs and build the plan; nothing is started."""
+    """Check the inputs and build the plan; nothing is started. The defaults are
+    ``notebook_launcher``'s: one machine, settings from the config or its default."""
     _refuse_nested_launch()
     if not callable(function):
         raise TypeError(

@@ -63,13 +63,7 @@ def session_plan(o: dict[str, Any], address: str) -> LaunchPlan:
         num_processes=nprocs,
         mixed_precision=o["mixed_precision"],
         start_method=o["start_method"],
-        use_port="auto",
-        master_addr="127.0.0.1",
-        node_rank=0,
-        num_nodes=1,
-        timeout=None,
         env=env,
-        return_all=False,
     )
 
 
