@@ -44,7 +44,8 @@ def _to_cpu(value: Any) -> Any:
 PLUMBING_FILES = {__file__}
 
 
-def _is_plumbing(filename: str) -> bool:
+def is_plumbing(filename: str) -> bool:
+    """Whether a traceback frame in ``filename`` is nbaccel's rank plumbing, not the user's."""
     return filename in PLUMBING_FILES
 
 
@@ -106,6 +107,35 @@ def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_
     return diag
 
 
+def _call(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    return function(*args, **kwargs)
+
+
+def run_job(spec: RankSpec, call: Any = _call, flush_metrics: bool = True) -> int:
+    """Run the user's function of ``spec`` through ``call`` and report how it ended (its result
+    or its failure) to the kernel; return the exit status. The process group is left to die
+    with the process (see ``torch_fixes``)."""
+    payload, raised = None, None
+    try:
+        function = cloudpickle.loads(spec.function)
+        args = [cloudpickle.loads(a) for a in spec.args]
+        kwargs = {k: cloudpickle.loads(v) for k, v in spec.kwargs.items()}
+        value = call(function, args, kwargs)
+        if spec.send_result:
+            payload = _pickle_return_value(value, spec.rank, spec.transfer)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
+        raised = exc
+    code, failure = exit.outcome(raised)
+    if flush_metrics:
+        reporting.flush()  # metrics held back while the kernel was busy go before the verdict
+    if failure is not None:
+        events.emit(exit.failure_event(failure, spec.rank, is_plumbing))
+    else:
+        exited = 0 if isinstance(raised, SystemExit) else None
+        events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))
+    return code
+
+
 def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any) -> None:
     """Entry point of a rank process (the target of its ``multiprocessing.Process``)."""
     diag = set_up_process(spec, out_w, err_w, diag_w, threads_for=spec.local_world_size)
@@ -114,28 +144,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     torch_fixes.keep_destroyed_process_groups_alive()
     events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
 
-    payload, raised = None, None
-    try:
-        function = cloudpickle.loads(spec.function)
-        args = [cloudpickle.loads(a) for a in spec.args]
-        kwargs = {k: cloudpickle.loads(v) for k, v in spec.kwargs.items()}
-        value = function(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
-        raised = exc
-    else:
-        if spec.send_result:
-            try:
-                payload = _pickle_return_value(value, spec.rank, spec.transfer)
-            except TypeError as exc:
-                raised = exc
-    code, failure = exit.outcome(raised)
-    reporting.flush()  # metrics held back while the kernel was busy go before the verdict
-    if failure is not None:
-        events.emit(exit.failure_event(failure, spec.rank, _is_plumbing))
-    else:
-        # The process group is left to die with the process (see torch_fixes).
-        exited = 0 if isinstance(raised, SystemExit) else None
-        events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))
+    code = run_job(spec)
     _stop_leftovers(spec.rank)
     diag.flush()
     exit.leave(code)

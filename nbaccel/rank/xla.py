@@ -155,8 +155,8 @@ def _run_device(spec: RankSpec, device: Any, results: dict[int, Any]) -> None:
     import torch_xla.runtime as xr
 
     _local.rank = spec.rank
-    raised, payload = None, None
-    try:
+
+    def call(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
         torch_xla._XLAC._xla_set_default_device(device)
         xr._init_world_size_ordinal()  # what torch_xla's own thread launcher does per device
         if xr.global_ordinal() != spec.rank:
@@ -164,21 +164,10 @@ def _run_device(spec: RankSpec, device: Any, results: dict[int, Any]) -> None:
                 f"XLA device {device} has ordinal {xr.global_ordinal()}, not rank {spec.rank}; "
                 "nbaccel expects the launch's ranks to be this runtime's devices in order."
             )
-        function = cloudpickle.loads(spec.function)
-        args = [cloudpickle.loads(a) for a in spec.args]
-        kwargs = {k: cloudpickle.loads(v) for k, v in spec.kwargs.items()}
-        value = _in_turn(function, args, kwargs)
-        if spec.send_result:
-            payload = entry._pickle_return_value(value, spec.rank, spec.transfer)
-    except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
-        raised = exc
-    code, failure = exit.outcome(raised)
-    results[spec.rank] = code
-    if failure is not None:
-        events.emit(exit.failure_event(failure, spec.rank, _is_plumbing))
-    else:
-        exited = 0 if isinstance(raised, SystemExit) else None
-        events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))
+        return _in_turn(function, args, kwargs)
+
+    # Metrics are not flushed per device thread: the threads share one process's pending values.
+    results[spec.rank] = entry.run_job(spec, call, flush_metrics=False)
 
 
 def _in_turn(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
@@ -191,10 +180,6 @@ def _in_turn(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
         return function(*args, **kwargs)
     finally:
         TURNS.give()
-
-
-def _is_plumbing(filename: str) -> bool:
-    return filename in entry.PLUMBING_FILES
 
 
 def run_device_threads(specs: list[RankSpec], pipes: list[tuple[Any, Any, Any, Any]]) -> None:
@@ -231,7 +216,7 @@ def run_device_threads(specs: list[RankSpec], pipes: list[tuple[Any, Any, Any, A
         devices = _prepare_runtime(len(specs))
     except BaseException as exc:  # noqa: BLE001 - the runtime could not start: every rank says so
         for spec in specs:
-            events.emit(exit.failure_event(exc, spec.rank, _is_plumbing))
+            events.emit(exit.failure_event(exc, spec.rank, entry.is_plumbing))
         results = {spec.rank: 1 for spec in specs}
     else:
         threads = [
