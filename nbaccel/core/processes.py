@@ -1,4 +1,5 @@
-"""Processes in words: what the kernel and a rank say about a process they stopped."""
+"""Processes by pid, for the kernel and the ranks alike: how one is named to a person, whether it
+still lives, and signalling many at once where any may already be gone."""
 
 from __future__ import annotations
 
@@ -24,3 +25,20 @@ def describe(process: psutil.Process) -> str:
     except psutil.Error:
         return "?"
     return cmd if len(cmd) <= 80 else cmd[:77] + "..."
+
+
+def alive(process: psutil.Process) -> bool:
+    """Whether ``process`` still runs (a zombie has ended; only its exit status is left)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def signal_all(processes: list[psutil.Process], sig: int) -> None:
+    """Send ``sig`` to each of ``processes``; one that has gone meanwhile is skipped."""
+    for process in processes:
+        try:
+            process.send_signal(sig)
+        except psutil.Error:
+            pass

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from nbaccel.core import mp_internals
+from nbaccel.core import mp_internals, processes
 from nbaccel.core.processes import describe
 
 # Pids of every rank started by this process and not yet reaped, over all rank groups; the
@@ -83,22 +83,13 @@ def sweep(rank_pids: set[int]) -> list[tuple[int, str]]:
     killed: dict[int, str] = {}
     for _ in range(10):
         found = [p for p in session_members(rank_pids) + server_strays() if p.pid not in killed]
-        found = [p for p in found if _alive(p)]
+        found = [p for p in found if processes.alive(p)]
         if not found:
             break
-        for p in found:
-            killed[p.pid] = describe(p)
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGKILL)
+        killed.update((p.pid, describe(p)) for p in found)
+        processes.signal_all(found, signal.SIGKILL)
         psutil.wait_procs(found, timeout=1.0)
     return sorted(killed.items())
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def signal_group(pid: int, sig: int) -> None:

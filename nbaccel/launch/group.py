@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from nbaccel.core import processes
 from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
@@ -173,11 +174,7 @@ class RankGroup:
                 children = []
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
-            for child in children:
-                try:
-                    child.send_signal(sig)
-                except psutil.Error:
-                    pass
+            processes.signal_all(children, sig)
 
     def collect_exit(self, r: RankProcess) -> int | None:
         """The exit code of a rank whose sentinel fired (it can fire a moment before the status

@@ -31,7 +31,7 @@ import warnings
 
 import psutil
 
-from nbaccel.core import libc
+from nbaccel.core import libc, processes
 
 PR_SET_CHILD_SUBREAPER = 36
 GRACE = 2.0  # seconds a descendant gets to exit after SIGTERM
@@ -61,14 +61,7 @@ def descendants() -> list[psutil.Process]:
         found = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
-    alive = []
-    for p in found:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except psutil.Error:
-            pass
-    return alive
+    return [p for p in found if processes.alive(p)]
 
 
 def reap_children() -> None:
@@ -93,7 +86,7 @@ def stop_descendants(grace: float = GRACE, found: list[psutil.Process] | None = 
     procs = descendants() if found is None else found
     if not procs:
         return
-    _signal_all(procs, signal.SIGTERM)
+    processes.signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if not descendants():
@@ -108,16 +101,8 @@ def kill_descendants(rounds: int = 50) -> None:
         left = descendants()
         if not left:
             return
-        _signal_all(left, signal.SIGKILL)
+        processes.signal_all(left, signal.SIGKILL)
         time.sleep(0.01)
-
-
-def _signal_all(procs: list[psutil.Process], sig: int) -> None:
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.Error:
-            pass
 
 
 # -- the fork server --------------------------------------------------------------------------
