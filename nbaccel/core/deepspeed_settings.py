@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbaccel.core.fsdp_settings import parse_bool  # one spelling of true/false everywhere
+from nbaccel.core.fsdp_settings import normalise  # one spelling of true/false
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -77,21 +77,14 @@ def check_fields(values: dict[str, Any]) -> dict[str, Any]:
 
         check_fields({"deepspeed_zero_stage": "3"})["deepspeed_zero_stage"]   # 3
     """
-    out = dict(values)
-    for key, check in (
-        ("deepspeed_zero_stage", zero_stage),
-        ("deepspeed_gradient_clipping", clipping),
-        ("deepspeed_offload_optimizer_device", offload_device),
-        ("deepspeed_offload_param_device", offload_device),
-    ):
-        if key in out:
-            try:
-                out[key] = check(out[key])
-            except ValueError as exc:
-                raise ValueError(f"{key}: {exc}") from None
-    for key in ("deepspeed_zero3_init_flag", "deepspeed_zero3_save_16bit_model"):
-        if key in out:
-            out[key] = parse_bool(key, out[key])
+    checks = {
+        "deepspeed_zero_stage": zero_stage,
+        "deepspeed_gradient_clipping": clipping,
+        "deepspeed_offload_optimizer_device": offload_device,
+        "deepspeed_offload_param_device": offload_device,
+    }
+    flags = ("deepspeed_zero3_init_flag", "deepspeed_zero3_save_16bit_model")
+    out = normalise(values, checks, flags)
     if out.get("deepspeed_config_file") == "":
         out["deepspeed_config_file"] = None
     return out

@@ -11,6 +11,7 @@ command line and the plugin share one list.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 AUTO_WRAP_CHOICES = ("no_wrap", "transformer_based_wrap", "size_based_wrap")
@@ -100,19 +101,29 @@ def check_fields(values: dict[str, Any]) -> dict[str, Any]:
         check_fields({"fsdp_state_dict_type": "sharded_state_dict"})["fsdp_state_dict_type"]
         # 'SHARDED_STATE_DICT'
     """
+    checks = {
+        "fsdp_auto_wrap_policy": auto_wrap_choice,
+        "fsdp_transformer_cls_names_to_wrap": class_names,
+        "fsdp_min_num_params": min_params,
+        "fsdp_state_dict_type": state_dict_choice,
+    }
+    flags = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_activation_checkpointing")
+    return normalise(values, checks, flags)
+
+
+def normalise(
+    values: dict[str, Any], checks: dict[str, Callable[[Any], Any]], flags: tuple[str, ...]
+) -> dict[str, Any]:
+    """``values`` with each present key passed through its check (a ValueError is prefixed with
+    the key) and each present flag read as true/false. Shared by the FSDP and DeepSpeed fields."""
     out = dict(values)
-    for key, check in (
-        ("fsdp_auto_wrap_policy", auto_wrap_choice),
-        ("fsdp_transformer_cls_names_to_wrap", class_names),
-        ("fsdp_min_num_params", min_params),
-        ("fsdp_state_dict_type", state_dict_choice),
-    ):
+    for key, check in checks.items():
         if key in out:
             try:
                 out[key] = check(out[key])
             except ValueError as exc:
                 raise ValueError(f"{key}: {exc}") from None
-    for key in ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_activation_checkpointing"):
+    for key in flags:
         if key in out:
             out[key] = parse_bool(key, out[key])
     return out
