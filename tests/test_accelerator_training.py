@@ -3,9 +3,6 @@ notebook_launcher and under torchrun; FSDP matches DDP; bf16/fp16 train on CPU."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import nbaccel
-from nbaccel.core.rendezvous import free_port
+from tests.test_cli_support import run_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -95,11 +92,7 @@ def test_ddp_matches_one_process_in_kernel_launcher_and_torchrun(tmp_path):
         "if os.environ['RANK'] == '0':\n"
         f"    torch.save(result['state'], {str(out)!r})\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
-    env.update(OMP_NUM_THREADS="1", NBACCEL_NO_WARMUP="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun(script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_same(torch.load(out, weights_only=True), kernel["state"], atol=1e-6)
 

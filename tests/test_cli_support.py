@@ -72,3 +72,17 @@ def processes_mentioning(marker: str, wait: float = 5.0) -> list[psutil.Process]
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
+
+
+TORCHRUN_SHIM = Path(__file__).with_name("torchrun_shim.py")
+
+
+def run_torchrun(script: Path, *args: str, nprocs: int = 2) -> subprocess.CompletedProcess:
+    """``script ARGS`` on ``nprocs`` ranks under plain torch.distributed.run: no nbaccel settings
+    in the environment, 1 thread per rank (see torchrun_shim.py for how the workers end)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
+    env.update(OMP_NUM_THREADS="1", NBACCEL_NO_WARMUP="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    cmd += [str(TORCHRUN_SHIM), str(script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

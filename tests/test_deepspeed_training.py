@@ -17,7 +17,7 @@ import torch
 
 import nbaccel
 from nbaccel.core.config import LaunchConfig
-from nbaccel.core.rendezvous import free_port
+from tests.test_cli_support import run_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 # DDP and DeepSpeed run the same float32 AdamW math, but DeepSpeed sums gradients over flat
@@ -299,12 +299,7 @@ def test_under_nbaccel_launch_and_plain_torchrun(tmp_path, runs):
     assert cli["losses"] == pytest.approx(runs["zero3"]["losses"], abs=TOL)
 
     (tmp_path / "torchrun").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
-    env.update(OMP_NUM_THREADS="1", NBACCEL_NO_WARMUP="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    cmd += [str(script), "zero3", str(tmp_path / "torchrun")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun(script, "zero3", str(tmp_path / "torchrun"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "torchrun" / "rank0.json").read_text())
     assert out["losses"] == pytest.approx(runs["ddp"]["losses"], abs=TOL)

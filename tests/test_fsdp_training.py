@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,8 +15,8 @@ import torch
 
 import nbaccel
 from nbaccel.core.config import LaunchConfig
-from nbaccel.core.rendezvous import free_port
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin as Plugin
+from tests.test_cli_support import run_torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -430,12 +428,7 @@ def test_settings_from_nbaccel_launch_config_and_plain_torchrun(tmp_path):
 
     # Plain torchrun: no nbaccel settings at all, so the defaults apply (root only, full files).
     (tmp_path / "torchrun").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NBACCEL_")}
-    env.update(OMP_NUM_THREADS="1", NBACCEL_NO_WARMUP="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    cmd += [str(script), str(tmp_path / "torchrun" / "ckpt")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = run_torchrun(script, str(tmp_path / "torchrun" / "ckpt"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "torchrun" / "rank1.json").read_text())
     assert out["units"] == [""] and out["bitwise"] and "model_0.pt" in out["files"]
