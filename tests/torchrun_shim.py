@@ -17,18 +17,24 @@ import runpy
 import sys
 import traceback
 
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
-code = 0
-try:
-    runpy.run_path(script, run_name="__main__")
-except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-except BaseException:  # noqa: BLE001 - reported like an uncaught exception, exit status 1
-    traceback.print_exc()
-    code = 1
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+
+def main() -> None:
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` would have it
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported like an uncaught exception, exit status 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":  # not when pytest imports this file for its doctests
+    main()
