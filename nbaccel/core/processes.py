@@ -5,22 +5,28 @@ from __future__ import annotations
 
 import psutil
 
-_FORK_SERVER_COMMAND = "multiprocessing.forkserver import main"
+# Command lines a process forked without exec inherits: the ordinary fork server's, and the
+# titles nbaccel gives its fork server and ranks (core.proctitle).
+_FORKED_COMMANDS = (
+    "multiprocessing.forkserver import main",
+    "nbaccel rank ",
+    "nbaccel fork server",
+)
 
 
 def describe(process: psutil.Process) -> str:
     """A process's command line for a person (``sleep 1000``), or its name.
 
     A process forked from a rank without exec (a multiprocessing child, a DataLoader worker)
-    still has the fork server's command line, which would say nothing: it reads "forked from a
-    rank" instead.
+    still has its rank's command line, which would say nothing: it reads "forked from a rank"
+    instead.
 
     >>> describe(psutil.Process()) != "?"
     True
     """
     try:
         cmd = " ".join(process.cmdline()) or process.name()
-        if _FORK_SERVER_COMMAND in cmd:
+        if any(forked in cmd for forked in _FORKED_COMMANDS):
             return f"{process.name()}, forked from a rank"
     except psutil.Error:
         return "?"

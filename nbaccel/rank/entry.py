@@ -15,7 +15,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel.core import events, pickling, processes, shared_tensors
+from nbaccel.core import events, pickling, processes, proctitle, shared_tensors
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import containment, exit, process_setup, reporting, torch_fixes, tqdm_hook, twin
 
@@ -95,6 +95,7 @@ def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_
     containment.reset_inherited_handlers()
     process_setup.die_with_parent()
     containment.become_subreaper_session()  # every process the rank causes stays below it
+    proctitle.set_title(f"nbaccel rank {spec.rank} of {spec.world_size}")
     process_setup.redirect_output(out_w.fileno(), err_w.fileno())
     diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
     faulthandler.enable(file=diag, all_threads=True)
