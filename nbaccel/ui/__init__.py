@@ -47,6 +47,22 @@ def choose_view(progress: bool | str = True) -> View:
     return TextView()
 
 
+def in_kernel() -> bool:
+    """Whether this process is a Jupyter kernel: an ipykernel shell runs here (whichever
+    frontend, if any, is attached). Having imported ``ipykernel`` is not enough: widget code
+    imports it in scripts and test runs too.
+
+    >>> in_kernel()  # a doctest run is no kernel
+    False
+    """
+    import sys
+
+    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
+        return False
+    shell = sys.modules["IPython"].get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def frontend() -> str:
     """Which frontend runs this kernel, as far as the kernel can tell: "colab", "kaggle",
     "vscode", "jupyter" (JupyterLab/Notebook via Jupyter Server), "terminal" (IPython without a
@@ -57,16 +73,9 @@ def frontend() -> str:
     import os
     import sys
 
-    if "ipykernel" not in sys.modules:
+    if "ipykernel" not in sys.modules or not _ipython_shell():
         return "script"
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return "script"
-    shell = get_ipython()
-    if shell is None:
-        return "script"
-    if type(shell).__name__ != "ZMQInteractiveShell":
+    if not in_kernel():
         return "terminal"
     if "google.colab" in sys.modules or os.environ.get("COLAB_RELEASE_TAG"):
         return "colab"
@@ -77,6 +86,14 @@ def frontend() -> str:
     if os.environ.get("JPY_SESSION_NAME"):
         return "jupyter"
     return "terminal"
+
+
+def _ipython_shell() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
 
 
 def widget_frontend() -> bool:
