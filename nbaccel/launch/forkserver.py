@@ -1,28 +1,38 @@
-"""The fork server ranks start from: a clean interpreter that has imported torch once.
+"""The fork server ranks start from: a process that has imported torch once, without the
+kernel's threads or CUDA context, from which ranks fork in milliseconds.
 
-Ranks fork from it in milliseconds and never inherit the kernel's threads or CUDA context.
+In a notebook kernel that has imported torch (and not initialised CUDA) the server is a fork of
+the kernel made clean (``rank.zygote``): it has torch at once, so even a launch right after the
+import cell finds it nearly ready. Otherwise it is a fresh interpreter that imports torch first.
+``NBACCEL_ZYGOTE=0`` always starts the fresh interpreter.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
+import sys
 import tempfile
 import threading
 import time
 
-from nbaccel.core import mp_internals
+from nbaccel.core import mp_internals, openmp
 from nbaccel.launch import containment
+from nbaccel.rank import zygote
+from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
 # first (the server's own group, subreaper, kill its tree at exit), the ready signal last.
 SERVER_PRELOAD = ("nbaccel.rank.server_guard", "nbaccel.rank.preload")
 SERVER_READY = "nbaccel.rank.server_ready"
 ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
+ENV_ZYGOTE = "NBACCEL_ZYGOTE"
 
 _server_lock = threading.Lock()
 _server_modules: tuple[str, ...] = ()
 _ready_marker: str | None = None  # exists while the server started last is still importing
+_server_kind: str | None = None  # "fork of the kernel" or "fresh interpreter", once started
 
 
 def available_start_methods() -> list[str]:
@@ -47,24 +57,68 @@ def ensure_server(extra_modules: tuple[str, ...] = ()) -> None:
 
     The server imports its modules in the background; the first rank start waits for that.
     """
-    global _server_modules, _ready_marker
+    global _server_modules, _ready_marker, _server_kind
     wanted = tuple(dict.fromkeys(SERVER_PRELOAD + tuple(extra_modules) + (SERVER_READY,)))
     # Ctrl-C waits until the server is started (or stopped and restarted): cut in half, the
     # next launch would find multiprocessing's record of it inconsistent.
     with _server_lock, containment.sigint_deferred():
         restart = not set(wanted) <= set(_server_modules)
-        if restart or mp_internals.forkserver_pid() is None:
+        running = mp_internals.server_alive(mp_internals.forkserver_pid())
+        if restart or not running:
             _server_modules = wanted
         fd, marker = tempfile.mkstemp(prefix="nbaccel-server-warming-")
         os.close(fd)
-        started = mp_internals.start_forkserver(
-            list(wanted), restart=restart, env={ENV_READY_FILE: marker}
-        )
+        env = {ENV_READY_FILE: marker}
+        if not running and zygote_unavailable() is None and openmp.release_thread_pools():
+            serve = functools.partial(zygote.serve, preload=list(wanted), env=env)
+            mp_internals.fork_forkserver(serve, list(wanted))
+            started, kind = True, "fork of the kernel"
+        else:
+            started = mp_internals.start_forkserver(list(wanted), restart=restart, env=env)
+            kind = "fresh interpreter"
         if started:
             _discard(_ready_marker)
             _ready_marker = marker
+            _server_kind = kind
         else:
             _discard(marker)
+
+
+def zygote_unavailable() -> str | None:
+    """Why the fork server cannot be a fork of this process now, or ``None`` when it can.
+
+    >>> zygote_unavailable()  # a doctest run is no notebook kernel
+    'not in a notebook kernel'
+    """
+    if os.environ.get(ENV_ZYGOTE) == "0":
+        return f"{ENV_ZYGOTE}=0"
+    if not in_kernel():
+        return "not in a notebook kernel"
+    if not sys.platform.startswith("linux"):
+        return "not on Linux"
+    if threading.current_thread() is not threading.main_thread():
+        return "not called from the kernel's main thread"
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "torch is not imported yet (the server imports it itself)"
+    for name in ("cuda", "xpu"):
+        device = getattr(torch, name, None)
+        is_initialized = getattr(device, "is_initialized", None)
+        if is_initialized is not None and is_initialized():
+            return f"{name.upper()} is initialised in the kernel (a fork would inherit it)"
+    if sys.gettrace() is not None:
+        return "a debugger or tracer is active in the kernel"
+    if not isinstance(os.fork, type(os.getpid)):
+        return "os.fork is patched (a debugger's child-process support?)"
+    if not mp_internals.can_fork_forkserver():
+        return "this Python's multiprocessing fork server is not one nbaccel knows"
+    return None
+
+
+def server_kind() -> str | None:
+    """What the fork server started last is: ``"fork of the kernel"``, ``"fresh interpreter"``,
+    or ``None`` before one was started."""
+    return _server_kind
 
 
 def wait_until_ready(poll: float = 0.02) -> None:
