@@ -51,6 +51,7 @@ import threading
 import traceback
 import types
 import warnings
+import weakref
 from typing import Any, NoReturn
 
 from nbaccel.core import mp_internals, proctitle
@@ -85,6 +86,18 @@ KEPT_PACKAGES = frozenset(
 )
 # nbaccel's rank side (the kernel side is never loaded in a rank).
 KEPT_NBACCEL = frozenset({"core", "rank", "training", "utils"})
+
+# atexit hooks the kept modules register when imported, in registration order: what a fresh
+# interpreter that imported them would run at exit (module, attribute). Only modules the
+# kernel had imported count; a pybind11 hook of torch's frees C++ state at interpreter
+# teardown, which ranks never reach (they leave with os._exit).
+_KEPT_EXIT_HOOKS = (
+    ("logging", "shutdown"),  # flush and close log handlers
+    ("torch.utils.data._utils", "_set_python_exit_flag"),
+    ("multiprocessing.util", "_exit_function"),  # finalisers: Queue feeders, pools
+    ("torch._subclasses.fake_tensor", "dump_cache_stats"),
+    ("weakref", "finalize._exitfunc"),
+)
 
 # Everything the zygote inherited and replaced: referenced here so that it is never freed (a
 # finaliser could close a descriptor number that is now someone else's).
@@ -131,10 +144,11 @@ def become_fresh(keep_fds: tuple[int, ...]) -> None:
     _fresh_streams_and_hooks()
     _fresh_signals()
     _fresh_builtins()
-    atexit._clear()  # the kernel's (history, zmq, ipykernel) are not this process's
+    _fresh_exit_hooks()
     _fresh_asyncio()
-    dropped = _forget_kernel_modules()
-    _forget_warning_filters(dropped)
+    forget = _modules_to_forget()
+    _forget_modules(forget)
+    _forget_warning_filters(forget)
     mp_internals.reset_forkserver_lock()
     importlib.invalidate_caches()
 
@@ -235,8 +249,9 @@ def _keep_module(name: str) -> bool:
     )
 
 
-def _forget_kernel_modules() -> set[str]:
-    """Drop every module a rank must import afresh; return their names."""
+def _modules_to_forget() -> set[str]:
+    """Names of the modules a rank must import afresh (and those another thread was importing:
+    their import locks belong to a thread that is gone)."""
     mine = threading.get_ident()
     half_imported = set()
     locks = importlib._bootstrap._module_locks  # type: ignore[attr-defined]
@@ -245,27 +260,50 @@ def _forget_kernel_modules() -> set[str]:
         if lock is not None and getattr(lock, "owner", None) not in (None, mine):
             half_imported.add(name)
             del locks[name]
-    dropped = {n for n in sys.modules if n in half_imported or not _keep_module(n)}
-    _INHERITED.append({n: sys.modules[n] for n in dropped})
-    for name in dropped:
-        del sys.modules[name]
+    return {n for n in sys.modules if n in half_imported or not _keep_module(n)}
+
+
+def _fresh_exit_hooks() -> None:
+    """Run at a rank's exit only what a fresh interpreter would run there.
+
+    The kernel's hooks must never run in a rank (IPython's history writer, zmq's context, or
+    ``atexit.register(shutil.rmtree, the_kernels_tmpdir)`` from a cell or a library), and atexit
+    cannot list them. So all go, and the hooks the kept modules registered when the kernel
+    imported them come back, in their order (torch 2.13's ``import torch`` registers these;
+    what the server and the ranks import afterwards registers its own as usual). The kernel's
+    ``weakref.finalize(..., atexit=True)`` callbacks go too: they clean up after the kernel.
+    """
+    atexit._clear()
+    weakref.finalize._registry.clear()  # type: ignore[attr-defined]
+    for module_name, attribute in _KEPT_EXIT_HOOKS:
+        module = sys.modules.get(module_name)
+        hook = module
+        for part in attribute.split("."):
+            hook = getattr(hook, part, None)
+        if module is not None and callable(hook):
+            atexit.register(hook)
+
+
+def _forget_modules(forget: set[str]) -> None:
+    _INHERITED.append({n: sys.modules[n] for n in forget if n in sys.modules})
+    for name in forget:
+        sys.modules.pop(name, None)
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins  # type: ignore[attr-defined]
     sys.modules["__main__"] = main
-    # A kept package's attribute naming a dropped submodule (nbaccel.launch) goes too.
+    # A kept package's attribute naming a forgotten submodule (nbaccel.launch) goes too.
     for module in list(sys.modules.values()):
         if getattr(module, "__path__", None) is None:
             continue
         for attr, value in list(vars(module).items()):
             # type(), not isinstance: that would ask lazy attributes for __class__ (warnings)
-            if issubclass(type(value), types.ModuleType) and value.__name__ in dropped:
+            if issubclass(type(value), types.ModuleType) and value.__name__ in forget:
                 delattr(module, attr)
-    return dropped
 
 
-def _forget_warning_filters(dropped: set[str]) -> None:
-    """Drop warning filters for categories defined in dropped modules (IPython's own)."""
+def _forget_warning_filters(forget: set[str]) -> None:
+    """Drop warning filters for categories defined in forgotten modules (IPython's own)."""
     warnings.filters[:] = [
-        f for f in warnings.filters if getattr(f[2], "__module__", "builtins") not in dropped
+        f for f in warnings.filters if getattr(f[2], "__module__", "builtins") not in forget
     ]
     warnings._filters_mutated()  # type: ignore[attr-defined]
