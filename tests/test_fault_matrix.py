@@ -201,7 +201,7 @@ def trigger_reached(d: Path, phase: str, launcher: int | None = None) -> bool:
         for child in psutil.Process(launcher).children():
             try:
                 # Not serving yet: the new one (one replaced for this launch serves to the end).
-                if "multiprocessing.forkserver" in " ".join(child.cmdline()) and not serving(child):
+                if is_fork_server(child) and not serving(child):
                     return True
             except psutil.Error:  # a child that came and went (exec, a helper)
                 pass
@@ -252,11 +252,17 @@ def assert_nothing_left(d: Path, marker: str, with_server: bool = False) -> None
     assert left == [], f"still running 5 s after the launch ended: {left}"
 
 
+def is_fork_server(process: psutil.Process) -> bool:
+    """A fresh-interpreter fork server (its command line) or a fork of the kernel (its title)."""
+    command = " ".join(process.cmdline())
+    return "multiprocessing.forkserver" in command or command.startswith("nbaccel fork server")
+
+
 def serving(process: psutil.Process) -> bool:
     """Whether ``process`` is a fork server that has finished importing: its loop catches
     SIGCHLD (Linux: the SigCgt mask in /proc), which nothing does while it imports."""
     try:
-        if "multiprocessing.forkserver" not in " ".join(process.cmdline()):
+        if not is_fork_server(process):
             return False
         status = Path(f"/proc/{process.pid}/status").read_text()
     except (psutil.Error, OSError):
@@ -271,7 +277,7 @@ def record_server(d: Path, parent: int) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         for child in psutil.Process(parent).children():
-            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+            if is_fork_server(child):
                 (d / f"server-{child.pid}.srv").touch()
                 return
         time.sleep(0.02)

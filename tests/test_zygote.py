@@ -1,0 +1,146 @@
+"""The fork server as a fork of the kernel (``rank.zygote``), in real kernels.
+
+A rank forked from it must be indistinguishable from one forked from a fresh-interpreter server
+(``NBACCEL_ZYGOTE=0``) in everything the kernel's process carries: kernel-side modules, builtins,
+hooks, the running asyncio loop, atexit hooks, signal handlers, file descriptors, threads, the
+user's namespace, tqdm's notebook choice. A module the user edits and reloads after
+``import nbaccel`` reaches the ranks as edited. A kernel that ran a multi-threaded matmul before
+``import nbaccel`` still gets ranks that can (GNU OpenMP does not survive a fork by itself).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.kernel_helpers import KernelSession
+
+pytestmark = pytest.mark.slow  # real kernels
+
+# What the kernel holds before `import nbaccel`: torch, tqdm.auto (its notebook bar), a name,
+# and an exit hook of its own (a stdlib callable, as `atexit.register(shutil.rmtree, tmp)` is).
+BEFORE = (
+    "import asyncio, atexit, importlib, os, pathlib, sys\nimport torch, tqdm.auto\n"
+    "USER_SECRET = 42\n"
+    "atexit.register(pathlib.Path(os.environ['PROBE_DIR'], 'kernel-hook-ran').touch)\n"
+)
+
+PROBE = textwrap.dedent(
+    """
+    def probe():
+        import asyncio, builtins, logging, logging.handlers, os, pathlib, signal, sys
+        import threading, warnings, weakref
+        import tqdm.auto
+
+        # What the rank's exit must still do: flush buffered log records, run finalisers.
+        d, rank = pathlib.Path(os.environ["PROBE_DIR"]), os.environ["RANK"]
+        target = logging.FileHandler(d / f"log-{rank}")
+        buffered = logging.handlers.MemoryHandler(100, logging.CRITICAL, target)
+        logging.getLogger("probe").addHandler(buffered)
+        logging.getLogger("probe").warning("flushed at exit")
+        probe.keep = type("Kept", (), {})()
+        weakref.finalize(probe.keep, (d / f"finalized-{rank}").touch)
+
+        async def one():
+            return 1
+
+        kernel_side = ("IPython", "ipykernel", "zmq", "ipywidgets", "comm", "jupyter_client",
+                       "tornado", "traitlets", "debugpy", "pydevd", "nbaccel.launch", "nbaccel.ui")
+        return {
+            "kernel_side_modules": sorted(n for n in sys.modules if n.startswith(kernel_side)),
+            "builtins": sorted(vars(builtins)),
+            "input": type(builtins.input).__name__,
+            "own_hooks": [getattr(sys, h) is getattr(sys, f"__{h}__")
+                          for h in ("displayhook", "excepthook", "breakpointhook")],
+            "asyncio_run": asyncio.run(one()),
+            "handlers": sorted(int(s) for s in signal.valid_signals()
+                               if callable(signal.getsignal(s))),
+            "open_fds": len(os.listdir("/proc/self/fd")),
+            "threads": threading.active_count(),
+            "warning_categories": sorted({f[2].__module__ for f in warnings.filters}),
+            "main_names": sorted(n for n in vars(sys.modules["__main__"]) if n[:1] != "_"),
+            "tqdm_auto": tqdm.auto.tqdm.__module__,
+            "title": open("/proc/self/cmdline").read().split("\\0")[0],
+        }
+    """
+)
+
+
+def kernel_with(env: dict[str, str], before: str = BEFORE) -> KernelSession:
+    return KernelSession(env={"NBACCEL_VIEW": "text", **env}, startup=before + "import nbaccel")
+
+
+def value(kernel: KernelSession, code: str):
+    cell = kernel.execute(textwrap.dedent(code).strip())
+    assert cell.error is None, cell.error_text
+    return eval(cell.results[-1]["text/plain"])
+
+
+def server_kind(kernel: KernelSession) -> str:
+    return value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.server_kind()")
+
+
+def probe_ranks(env: dict[str, str], d) -> tuple[str, list[dict]]:
+    with kernel_with({**env, "PROBE_DIR": str(d)}) as kernel:
+        kernel.execute(PROBE)
+        states = value(kernel, "nbaccel.notebook_launcher(probe, num_processes=2, return_all=True)")
+        ran = sorted(p.name for p in d.iterdir())
+        assert ran == ["finalized-0", "finalized-1", "log-0", "log-1"], ran  # not the kernel's
+        assert all((d / f"log-{r}").read_text() == "flushed at exit\n" for r in (0, 1))
+        return server_kind(kernel), states
+
+
+def test_a_rank_from_the_kernel_fork_is_a_rank_from_a_fresh_server(tmp_path):
+    (tmp_path / "fork").mkdir()
+    (tmp_path / "fresh").mkdir()
+    kind, forked = probe_ranks({}, tmp_path / "fork")
+    fresh_kind, fresh = probe_ranks({"NBACCEL_ZYGOTE": "0"}, tmp_path / "fresh")
+    assert (kind, fresh_kind) == ("fork of the kernel", "fresh interpreter")
+    for state in forked + fresh:
+        assert state["kernel_side_modules"] == []
+        assert state["input"] == "builtin_function_or_method"  # not ipykernel's zmq input
+        assert state["own_hooks"] == [True, True, True]
+        assert state["asyncio_run"] == 1  # no event loop "running" in the rank
+        assert set(state.pop("main_names")) <= {"main"}  # (a fresh server's -c defines main)
+        assert not state["tqdm_auto"].startswith("tqdm.notebook")  # no widget bars in a rank
+        assert state["title"].startswith("nbaccel rank ")
+    for forked_rank, fresh_rank in zip(forked, fresh):
+        # a fresh server leaves one /dev/null open (its stdin) that the fork does not
+        assert forked_rank.pop("open_fds") <= fresh_rank.pop("open_fds")
+        assert forked_rank == fresh_rank
+
+
+def test_a_module_edited_and_reloaded_after_import_reaches_the_ranks_as_edited(tmp_path):
+    (tmp_path / "helper_mod.py").write_text("VALUE = 1\n\ndef value():\n    return VALUE\n")
+    before = f"import os\nos.chdir({str(tmp_path)!r})\n{BEFORE}import helper_mod\n"
+    with kernel_with({"PROBE_DIR": str(tmp_path)}, before) as kernel:
+        assert server_kind(kernel) == "fork of the kernel"
+        (tmp_path / "helper_mod.py").write_text("VALUE = 2\n\ndef value():\n    return VALUE\n")
+        value(kernel, "importlib.reload(helper_mod).VALUE")
+        # by reference (cloudpickle imports the module in the rank) and from a cell
+        assert value(kernel, "nbaccel.notebook_launcher(helper_mod.value, num_processes=2)") == 2
+        kernel.execute("def from_cell():\n    import helper_mod\n    return helper_mod.VALUE")
+        assert value(kernel, "nbaccel.notebook_launcher(from_cell, num_processes=2)") == 2
+
+
+def test_ranks_multiply_on_two_threads_after_the_kernel_did_before_import():
+    # Without releasing the kernel's OpenMP pool before the fork, this rank's matmul hangs.
+    before = (
+        "import torch\ntorch.set_num_threads(2)\n"
+        "_a = torch.randn(1000, 1000)\nfor _ in range(3):\n    _a @ _a\n"
+    )
+    with kernel_with({}, before) as kernel:
+        assert server_kind(kernel) == "fork of the kernel"
+        kernel.execute(
+            "def matmul():\n    import torch\n    torch.set_num_threads(2)\n"
+            "    a = torch.randn(1000, 1000)\n    (a @ a).sum()\n    return torch.get_num_threads()"
+        )
+        assert value(kernel, "nbaccel.notebook_launcher(matmul, num_processes=1, timeout=60)") == 2
+        assert value(kernel, "int((_a @ _a).shape[0])") == 1000  # and the kernel still can
+
+
+def test_sorted_imports_nbaccel_before_torch_still_fork_the_kernel():
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel\nimport torch") as k:
+        assert server_kind(k) == "fork of the kernel"
+        assert value(k, "nbaccel.notebook_launcher(lambda: 5, num_processes=2)") == 5
