@@ -45,6 +45,12 @@ PROBE = textwrap.dedent(
         async def one():
             return 1
 
+        # The server was forked inside `import nbaccel`: a thread must still be able to import.
+        imported = []
+        worker = threading.Thread(target=lambda: imported.append(bool(__import__("nbaccel").utils)))
+        worker.start()
+        worker.join(20)
+
         kernel_side = ("IPython", "ipykernel", "zmq", "ipywidgets", "comm", "jupyter_client",
                        "tornado", "traitlets", "debugpy", "pydevd", "nbaccel.launch", "nbaccel.ui")
         return {
@@ -54,6 +60,7 @@ PROBE = textwrap.dedent(
             "own_hooks": [getattr(sys, h) is getattr(sys, f"__{h}__")
                           for h in ("displayhook", "excepthook", "breakpointhook")],
             "asyncio_run": asyncio.run(one()),
+            "thread_imported_nbaccel": imported == [True],
             "handlers": sorted(int(s) for s in signal.valid_signals()
                                if callable(signal.getsignal(s))),
             "open_fds": len(os.listdir("/proc/self/fd")),
@@ -102,6 +109,7 @@ def test_a_rank_from_the_kernel_fork_is_a_rank_from_a_fresh_server(tmp_path):
         assert state["input"] == "builtin_function_or_method"  # not ipykernel's zmq input
         assert state["own_hooks"] == [True, True, True]
         assert state["asyncio_run"] == 1  # no event loop "running" in the rank
+        assert state["thread_imported_nbaccel"]
         assert set(state.pop("main_names")) <= {"main"}  # (a fresh server's -c defines main)
         assert not state["tqdm_auto"].startswith("tqdm.notebook")  # no widget bars in a rank
         assert state["title"].startswith("nbaccel rank ")
@@ -144,3 +152,12 @@ def test_sorted_imports_nbaccel_before_torch_still_fork_the_kernel():
     with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel\nimport torch") as k:
         assert server_kind(k) == "fork of the kernel"
         assert value(k, "nbaccel.notebook_launcher(lambda: 5, num_processes=2)") == 5
+
+
+def test_a_kernel_holding_much_memory_gets_a_fresh_server_instead():
+    # A fork would keep these 1.6 GB alive after the kernel frees them: no zygote then.
+    before = "import torch\n_big = torch.ones(400_000_000)\n"
+    with kernel_with({}, before) as kernel:
+        assert server_kind(kernel) == "fresh interpreter"
+        assert "GiB of its own memory" in value(kernel, "_fs.zygote_unavailable()")
+        assert value(kernel, "nbaccel.notebook_launcher(lambda: 3, num_processes=2)") == 3

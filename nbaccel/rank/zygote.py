@@ -18,8 +18,9 @@ Why a fork of a multi-threaded kernel is safe here:
   file descriptor it inherited, replaces ``sys.stdout``/``stderr``/hooks, and never calls zmq or
   IPython. It keeps every inherited object alive (``gc.freeze``), so no finaliser runs on a
   closed (or reused) descriptor;
-- a module another thread was importing at that instant has its import lock held by a thread
-  that is gone: such modules are forgotten and imported afresh;
+- a module whose import was under way at that instant (``nbaccel`` itself: the fork happens
+  inside its import) has its import lock held for good, so another thread importing it would
+  wait forever: such modules are forgotten and imported afresh;
 - GNU OpenMP cannot survive a fork (a child's next multi-threaded matmul hangs). The kernel
   releases its pool right before the fork (``core.openmp``), or does not fork;
 - CUDA: the kernel forks only when CUDA is not initialised. CUDA initialised later in the kernel
@@ -250,17 +251,22 @@ def _keep_module(name: str) -> bool:
 
 
 def _modules_to_forget() -> set[str]:
-    """Names of the modules a rank must import afresh (and those another thread was importing:
-    their import locks belong to a thread that is gone)."""
-    mine = threading.get_ident()
-    half_imported = set()
+    """Names of the modules a rank must import afresh, with those whose import was under way
+    at the fork, in any thread (and their submodules): their import locks are held by a
+    thread that is gone or, in this thread, by kernel frames this process never returns to
+    (the fork happens inside ``import nbaccel``). Another thread importing one would wait
+    forever; forgotten, it is imported anew."""
+    importing = set()
     locks = importlib._bootstrap._module_locks  # type: ignore[attr-defined]
     for name, ref in list(locks.items()):
         lock = ref()
-        if lock is not None and getattr(lock, "owner", None) not in (None, mine):
-            half_imported.add(name)
+        if lock is not None and getattr(lock, "owner", None) is not None:
+            importing.add(name)
             del locks[name]
-    return {n for n in sys.modules if n in half_imported or not _keep_module(n)}
+    packages = tuple(f"{name}." for name in importing)
+    return {
+        n for n in sys.modules if n in importing or n.startswith(packages) or not _keep_module(n)
+    }
 
 
 def _fresh_exit_hooks() -> None:
