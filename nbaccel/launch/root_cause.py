@@ -42,18 +42,31 @@ def cut(text: str, width: int = ERROR_LINE_WIDTH) -> str:
 
 def without_plumbing(crash_report: str) -> str:
     """A rank's crash report (faulthandler's stacks) without the frames every rank has below
-    the user's code: multiprocessing's bootstrap and the fork server's loop.
+    the user's code: multiprocessing's, and everything older than the process's start
+    (``BaseProcess._bootstrap``): the fork server's loop and, where the server is a fork of the
+    kernel, the kernel's own frames it was forked in.
 
-    >>> report = ['  File "/x.py", line 3 in train', '  File "/py/multiprocessing/process.py"']
+    >>> report = ['  File "/x.py", line 3 in train', '  File "/py/multiprocessing/process.py"',
+    ...           '  File "/py/multiprocessing/process.py", line 314 in _bootstrap',
+    ...           '  File "/py/IPython/core/interactiveshell.py", line 3823 in run_code']
     >>> without_plumbing(chr(10).join(report))
     '  File "/x.py", line 3 in train'
     """
-    lines = [
-        line
-        for line in crash_report.splitlines()
-        if "/multiprocessing/" not in line and not line.strip().startswith('File "<string>"')
-    ]
+    lines, started = [], False
+    for line in crash_report.splitlines():
+        frame = line.strip().startswith("File ")
+        if not frame:
+            started = False  # the next thread's stack begins
+        elif started or (_PROCESS_START in line and line.rstrip().endswith(" in _bootstrap")):
+            started = True
+            continue
+        elif "/multiprocessing/" in line or line.strip().startswith('File "<string>"'):
+            continue
+        lines.append(line)
     return "\n".join(lines)
+
+
+_PROCESS_START = "/multiprocessing/process.py"
 
 
 def order(failures: list[tuple[int, object]]) -> list[tuple[int, object]]:

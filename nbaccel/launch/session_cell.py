@@ -28,6 +28,7 @@ from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
+from nbaccel.launch import root_cause
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.relay import Relay
 
@@ -317,9 +318,9 @@ def cell_stack(dump: str) -> str:
     """
     blocks = dump.strip().split("\n\n")
     main = next((b for b in blocks if b.startswith("Current thread")), dump.strip())
-    plumbing = ("nbaccel/rank/session_entry.py", "nbaccel/rank/entry.py", "/multiprocessing/")
-    plumbing += ('File "<string>"', "forkserver.py")
-    return "\n".join(ln for ln in main.splitlines() if not any(p in ln for p in plumbing))
+    plumbing = ("nbaccel/rank/session_entry.py", "nbaccel/rank/entry.py")
+    lines = root_cause.without_plumbing(main).splitlines()
+    return "\n".join(ln for ln in lines if not any(p in ln for p in plumbing))
 
 
 def crash_stack(diag: str) -> str:
