@@ -2,7 +2,9 @@
 
     .venv/bin/python gpu_checks/check_cuda.py
 
-Checks, in under 3 minutes: launching after this process initialised CUDA; NCCL DDP (one GPU per rank) gives the same weights as one process
+Checks, in under 3 minutes: launching after this process initialised CUDA; in a real kernel, a
+fork server forked from the kernel before CUDA (ranks use the GPU though the kernel initialised
+CUDA afterwards) and a fresh-interpreter one where CUDA came first; NCCL DDP (one GPU per rank) gives the same weights as one process
 with the whole batch; bf16 and fp16 autocast train; fp8 through torchao trains where the GPU
 (compute capability 8.9+) and torchao allow, and otherwise fails with the documented message.
 Prints one line per check and exits non-zero if any failed.
@@ -45,6 +47,35 @@ def check_launch_after_cuda_init() -> str:
     )
     assert [r["rank"] for r in reports] == list(range(n)) and all(r["sum"] == 1.0 for r in reports)
     return f"{n} rank(s) used CUDA after the parent initialised it (forkserver)"
+
+
+ZYGOTE_CELL = """
+def report():
+    import os, torch
+    x = torch.ones(1, device=f"cuda:{int(os.environ['LOCAL_RANK'])}")
+    return float(x.sum())
+torch.zeros(1, device="cuda")  # CUDA in the kernel, after (or before) import nbaccel
+import nbaccel.launch.forkserver as _fs
+print(_fs.server_kind(), nbaccel.notebook_launcher(report, num_processes=1, timeout=120))
+"""
+
+
+def check_kernel_fork_server_and_cuda() -> str:
+    """The fork server is a fork of the kernel only while CUDA is untouched there; either way
+    ranks use the GPU."""
+    from tests.kernel_helpers import KernelSession
+
+    seen = []
+    for startup, kind in (
+        ("import torch, nbaccel", "fork of the kernel"),
+        ("import torch\ntorch.zeros(1, device='cuda')\nimport nbaccel", "fresh interpreter"),
+    ):
+        with KernelSession(env={"NBACCEL_VIEW": "text"}, startup=startup) as kernel:
+            cell = kernel.execute(ZYGOTE_CELL, timeout=300)
+            assert cell.error is None, cell.error_text
+            assert f"{kind} 1.0" in cell.stdout, cell.stdout
+            seen.append(kind)
+    return "ranks used CUDA from a " + " and from a ".join(seen)
 
 
 def check_ddp_nccl() -> str:
@@ -114,6 +145,7 @@ def main() -> int:
     )
     checks = [
         ("launch after cuda init", check_launch_after_cuda_init),
+        ("kernel fork server and cuda", check_kernel_fork_server_and_cuda),
         ("ddp/nccl", check_ddp_nccl),
         ("bf16", lambda: check_autocast("bf16")),
         ("fp16", lambda: check_autocast("fp16")),

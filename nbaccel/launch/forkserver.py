@@ -28,6 +28,9 @@ SERVER_PRELOAD = ("nbaccel.rank.server_guard", "nbaccel.rank.preload")
 SERVER_READY = "nbaccel.rank.server_ready"
 ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
 ENV_ZYGOTE = "NBACCEL_ZYGOTE"
+# A fork keeps the kernel's memory of that moment alive (copy-on-write): memory the kernel frees
+# later would stay taken. A kernel that just imported torch holds ~0.3 GiB of its own.
+ZYGOTE_MAX_PRIVATE_BYTES = 1 << 30
 
 _server_lock = threading.Lock()
 _server_modules: tuple[str, ...] = ()
@@ -108,11 +111,25 @@ def zygote_unavailable() -> str | None:
             return f"{name.upper()} is initialised in the kernel (a fork would inherit it)"
     if sys.gettrace() is not None:
         return "a debugger or tracer is active in the kernel"
+    private = _private_memory()
+    if private > ZYGOTE_MAX_PRIVATE_BYTES:
+        return (
+            f"the kernel holds {private / 2**30:.1f} GiB of its own memory, which a fork of it "
+            "would keep alive after the kernel frees it"
+        )
     if not isinstance(os.fork, type(os.getpid)):
         return "os.fork is patched (a debugger's child-process support?)"
     if not mp_internals.can_fork_forkserver():
         return "this Python's multiprocessing fork server is not one nbaccel knows"
     return None
+
+
+def _private_memory() -> int:
+    """Resident memory of this process that no other process shares (Linux: rss - shared)."""
+    import psutil
+
+    info = psutil.Process().memory_info()
+    return info.rss - getattr(info, "shared", 0)
 
 
 def server_kind() -> str | None:
