@@ -138,13 +138,15 @@ class Scratch:
 def launch_cell(contender: str, cfg: dict[str, Any], world: int, kw: str = "") -> str:
     """The cell that launches ``contender``: times the launcher call with the kernel's clock."""
     call = LAUNCH[contender].format(world=world, kw=kw)
+    # process_time: CPU seconds of every kernel thread (relay, views, zmq) during the call
     return (
         f"_cfg = json.loads({json.dumps(cfg)!r})\n"
-        "_t0 = time.time()\n"
+        "_t0, _c0 = time.time(), time.process_time()\n"
         "try:\n"
         f"{textwrap.indent(call, '    ')}\n"
         "finally:\n"
-        f"    print({MARK!r} + json.dumps({{'t0': _t0, 't1': time.time()}}), flush=True)\n"
+        f"    print({MARK!r} + json.dumps({{'t0': _t0, 't1': time.time(), "
+        "'cpu': time.process_time() - _c0}), flush=True)\n"
     )
 
 
@@ -173,9 +175,25 @@ def run_launch(
         "done": done,
         "t0": times.get("t0"),
         "t1": times.get("t1"),
+        "kernel_cpu_s": times.get("cpu"),
         "ranks": read_ranks(cfg["out_dir"], world),
         "cell": cell,
     }
+
+
+def nbaccel_server_kind(session: Any) -> str:
+    """What nbaccel's fork server in this kernel is ("fork of the kernel", "fresh interpreter")."""
+    cell = session.execute("import nbaccel.launch.forkserver as _fs\nprint(_fs.server_kind())")
+    return cell.stdout.strip() or "unknown"
+
+
+def kernel_cpu_share(run: dict[str, Any]) -> float | None:
+    """Kernel CPU seconds per second of the launcher call: what the launch costs the kernel
+    (its relay and view), taken from the cores the ranks share with it."""
+    cpu, t0, t1 = run.get("kernel_cpu_s"), run.get("t0"), run.get("t1")
+    if cpu is None or t0 is None or t1 is None or t1 <= t0:
+        return None
+    return cpu / (t1 - t0)
 
 
 def first_step_latency(run: dict[str, Any], world: int) -> float:

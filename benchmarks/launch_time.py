@@ -26,12 +26,15 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
         c: {"first": [], "repeat": [], "cell_first": [], "cell_repeat": [], "errors": []}
         for c in contenders
     }
+    server_kinds: list[str] = []  # what nbaccel's fork server was in each fresh kernel
 
     def launch(session: Any, c: str, kind: str) -> None:
         try:
             result = H.run_launch(session, c, cfg, world, scratch)
             raw[c][kind].append(H.first_step_latency(result, world))
             raw[c]["cell_" + kind].append(result["t1"] - result["t0"])
+            if c == "nbaccel" and kind == "first":
+                server_kinds.append(H.nbaccel_server_kind(session))
         except Exception as exc:  # noqa: BLE001 - one failed launch is reported, not fatal
             raw[c]["errors"].append(f"{kind}: {type(exc).__name__}: {str(exc)[-400:]}")
 
@@ -56,6 +59,7 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
         "steps_per_launch": cfg["steps"],
         "repeats_per_kernel": repeats,
         "fresh_kernel_per_first_launch": not smoke,
+        "nbaccel_server_kinds": sorted(set(server_kinds)),
         "contenders": {},
     }
     for c in CONTENDERS:

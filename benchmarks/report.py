@@ -69,6 +69,7 @@ def _steps_row(name: str, e: dict[str, Any]) -> list[str]:
         _median(e, "steps_per_s", "{:.1f}"),
         _num(e.get("vs_raw"), "{:.3f}"),
         _num(e.get("vs_raw_paired"), "{:.3f}"),
+        _median(e, "kernel_cpu_per_s", "{:.3f}"),
     ]
 
 
@@ -130,12 +131,22 @@ def render(results: dict[str, Any]) -> str:
                 "repeated ÷ nbaccel",
             ],
             _launch_row,
+            after=[
+                "nbaccel's fork server in the fresh kernels: "
+                + (", ".join(s.get("nbaccel_server_kinds") or []) or "–")
+            ],
         )
     if s := results.get("steps"):
         out += _section(
             s,
             f"## 2. Training steps per second ({s['steps']} steps, higher is better)",
-            ["loop", "steps/s", "÷ raw (medians)", "÷ raw (paired runs)"],
+            [
+                "loop",
+                "steps/s",
+                "÷ raw (medians)",
+                "÷ raw (paired runs)",
+                "kernel CPU s per launch s",
+            ],
             _steps_row,
             after=[f"Target (dashboard within 3% of raw DDP) met: {s.get('target_met')}"],
         )

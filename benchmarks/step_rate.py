@@ -11,7 +11,8 @@ All run in one kernel with the widget dashboard forced (``NBACCEL_VIEW=widgets``
   two per-step calls, to show which one costs.
 
 Each rank times its steady state (after ``warmup`` steps) with ``perf_counter``; a run's rate is
-the slowest rank's. Thread counts are pinned in the workload, so launchers' defaults do not
+the slowest rank's. The kernel's CPU seconds per second of the launch (``time.process_time``,
+every kernel thread) show what the relay and the view take from the cores the ranks run on. Thread counts are pinned in the workload, so launchers' defaults do not
 differ.
 """
 
@@ -52,6 +53,7 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
     steps, warmup = (40, 10) if smoke else (1500, 100)
     names = [n for n in CONTENDERS if _reason(n) is None]
     rates: dict[str, list[float]] = {n: [] for n in names}
+    kernel_cpu: dict[str, list[float]] = {n: [] for n in names}
     errors: dict[str, list[str]] = {n: [] for n in names}
     launchers = [CONTENDERS[n][0] for n in names]
     if names:
@@ -66,6 +68,9 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
                         if len(per_rank) != world or None in per_rank:
                             raise RuntimeError(f"ranks reported {result['ranks']}")
                         rates[name].append(min(per_rank))
+                        share = H.kernel_cpu_share(result)
+                        if share is not None:
+                            kernel_cpu[name].append(share)
                     except Exception as exc:  # noqa: BLE001 - reported, not fatal
                         errors[name].append(f"{type(exc).__name__}: {str(exc)[-400:]}")
 
@@ -87,6 +92,7 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
         out["contenders"][name] = {
             "description": DESCRIPTIONS[name],
             "steps_per_s": stats,
+            "kernel_cpu_per_s": H.summary(kernel_cpu[name], digits=3),
             "errors": errors[name],
         }
     for name, entry in out["contenders"].items():
