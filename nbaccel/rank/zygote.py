@@ -16,46 +16,42 @@ Why a fork of a multi-threaded kernel is safe here:
 - the other kernel threads (ZMQ I/O, heartbeat, iopub, history) do not exist in the child. A
   lock one of them held stays held, so the child never uses what they own. It closes every
   file descriptor it inherited, replaces ``sys.stdout``/``stderr``/hooks, and never calls zmq or
-  IPython. It keeps every inherited object alive (``gc.freeze``), so no finaliser runs on a
-  closed (or reused) descriptor;
+  IPython (log handlers and patched functions pointing there are reset, see below). It keeps
+  every inherited object alive (``gc.freeze``), so no finaliser runs on a closed (or reused)
+  descriptor;
 - a module whose import was under way at that instant (``nbaccel`` itself: the fork happens
   inside its import) has its import lock held for good, so another thread importing it would
   wait forever: such modules are forgotten and imported afresh;
 - GNU OpenMP cannot survive a fork (a child's next multi-threaded matmul hangs). The kernel
   releases its pool right before the fork (``core.openmp``), or does not fork;
-- CUDA: the kernel forks only when CUDA is not initialised. CUDA initialised later in the kernel
-  is not in the zygote, so ranks can still use the GPU.
+- CUDA: the kernel forks only while CUDA's driver is not loaded in it (``is_available()`` loads
+  it, too). CUDA initialised later in the kernel is not in the zygote, so ranks can use the GPU.
 
 A rank must still see the world as it is at *its* launch: ``rank.twin`` sets the kernel's
 environment, ``sys.path``, working directory and RNG states per launch, as for the ordinary
 server. Modules the kernel may change during a session (its own cells, files in its folders,
 editable installs, anything but the standard library and torch's own dependencies) are dropped
-here and imported afresh by each rank, so an edited and reloaded module is the new one.
+here and imported afresh by each rank, so an edited and reloaded module is the new one; a kept
+module that holds kernel-side objects (``getpass.getpass`` replaced by ipykernel, torch.hub's
+notebook progress bar) is imported afresh here. Each kind of process state is reset by
+``rank.kernel_state``.
 """
 
 from __future__ import annotations
 
-import _imp
-import atexit
 import builtins
-import faulthandler
-import gc
 import importlib
-import importlib.machinery
-import io
 import multiprocessing.forkserver
 import os
 import signal
-import site
 import sys
-import threading
 import traceback
 import types
 import warnings
-import weakref
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from nbaccel.core import mp_internals, proctitle
+from nbaccel.rank import kernel_state as state
 
 # Third-party packages torch imports, plus nbaccel's rank-side dependencies: kept, being
 # installed code that a session does not change and that has no view of the kernel. Anything
@@ -87,22 +83,26 @@ KEPT_PACKAGES = frozenset(
 )
 # nbaccel's rank side (the kernel side is never loaded in a rank).
 KEPT_NBACCEL = frozenset({"core", "rank", "training", "utils"})
-
-# atexit hooks the kept modules register when imported, in registration order: what a fresh
-# interpreter that imported them would run at exit (module, attribute). Only modules the
-# kernel had imported count; a pybind11 hook of torch's frees C++ state at interpreter
-# teardown, which ranks never reach (they leave with os._exit).
-_KEPT_EXIT_HOOKS = (
-    ("logging", "shutdown"),  # flush and close log handlers
-    ("torch.utils.data._utils", "_set_python_exit_flag"),
-    ("multiprocessing.util", "_exit_function"),  # finalisers: Queue feeders, pools
-    ("torch._subclasses.fake_tensor", "dump_cache_stats"),
-    ("weakref", "finalize._exitfunc"),
+# Whose objects make a kept module the kernel's (a kept module holding one is imported anew):
+# the kernel's own packages, and tqdm's notebook bars (they draw through the kernel).
+KERNEL_SIDE = frozenset(
+    {
+        "IPython",
+        "ipykernel",
+        "ipywidgets",
+        "comm",
+        "zmq",
+        "jupyter_client",
+        "jupyter_core",
+        "traitlets",
+        "tornado",
+        "debugpy",
+        "pydevd",
+        "_pydevd_bundle",
+        "matplotlib_inline",
+    }
 )
-
-# Everything the zygote inherited and replaced: referenced here so that it is never freed (a
-# finaliser could close a descriptor number that is now someone else's).
-_INHERITED: list[Any] = []
+NOTEBOOK_BARS = ("tqdm.notebook", "tqdm.autonotebook", "tqdm.auto")
 
 
 def serve(listener_fd: int, alive_r: int, preload: list[str], env: dict[str, str]) -> NoReturn:
@@ -128,6 +128,8 @@ def serve(listener_fd: int, alive_r: int, preload: list[str], env: dict[str, str
             pass
     finally:
         try:
+            import atexit
+
             atexit._run_exitfuncs()  # the server guard's: stop everything below this server
         finally:
             os._exit(code)
@@ -140,100 +142,33 @@ def become_fresh(keep_fds: tuple[int, ...]) -> None:
         os.setpgid(0, 0)  # and so is its process group (the server guard does this too)
     except OSError:
         pass
-    gc.freeze()  # nothing inherited is ever collected (see _INHERITED)
-    _close_inherited_fds(keep_fds)
-    _fresh_streams_and_hooks()
-    _fresh_signals()
-    _fresh_builtins()
-    _fresh_exit_hooks()
-    _fresh_asyncio()
+    import gc
+
+    gc.freeze()  # nothing inherited is ever collected (see kernel_state.INHERITED)
+    state.close_inherited_fds(keep_fds)
+    kernel_streams = state.fresh_streams_and_hooks()
+    state.fresh_signals()
+    state.fresh_builtins()
+    state.fresh_exit_hooks()
+    state.fresh_asyncio()
+    state.fresh_multiprocessing()
+    state.fresh_logging(kernel_streams)
     forget = _modules_to_forget()
-    _forget_modules(forget)
+    anew = {n: sys.modules[n] for n in _kept_but_the_kernels(forget)}
+    _forget_modules(forget | set(anew))
     _forget_warning_filters(forget)
-    mp_internals.reset_forkserver_lock()
     importlib.invalidate_caches()
-
-
-def _close_inherited_fds(keep: tuple[int, ...]) -> None:
-    low = 3
-    for fd in sorted(keep):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
-
-
-def _fresh_streams_and_hooks() -> None:
-    _INHERITED.extend(
-        [sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__]
-    )
-    # fd 0 is owned as in a fresh interpreter: the server's start closes it for /dev/null.
-    sys.stdin = sys.__stdin__ = open(0)  # noqa: SIM115 - lives with the process
-    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # noqa: SIM115
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
-        open(2, "wb", closefd=False),  # noqa: SIM115
-        errors="backslashreplace",
-        line_buffering=True,
-    )
-    sys.displayhook = sys.__displayhook__
-    sys.excepthook = sys.__excepthook__
-    sys.breakpointhook = sys.__breakpointhook__
-    sys.unraisablehook = sys.__unraisablehook__
-    threading.excepthook = threading.__excepthook__
-    sys.settrace(None)
-    sys.setprofile(None)
-    threading.settrace(None)  # type: ignore[arg-type]
-    threading.setprofile(None)  # type: ignore[arg-type]
-    for name in ("ps1", "ps2"):
-        if hasattr(sys, name):
-            delattr(sys, name)
-    faulthandler.disable()
-
-
-def _fresh_signals() -> None:
-    signal.set_wakeup_fd(-1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    for sig in signal.valid_signals():
+    for name, old in sorted(anew.items()):  # parents first
         try:
-            handler = signal.getsignal(sig)
-        except (ValueError, OSError):
-            continue
-        if callable(handler) and sig != signal.SIGINT:
-            signal.signal(sig, signal.SIG_DFL)
-
-
-def _fresh_builtins() -> None:
-    """The interpreter's own builtins: drop what IPython and ipykernel added (``display``,
-    ``get_ipython``, a zmq-backed ``input``), restore what they hid (``exit``, ``quit``)."""
-    _INHERITED.append(dict(vars(builtins)))
-    for name, value in list(vars(builtins).items()):
-        dunder = name.startswith("__") and name.endswith("__")
-        if name == "__IPYTHON__" or (not dunder and _defined_outside_builtins(value)):
-            del vars(builtins)[name]
-    # CPython keeps a copy of the builtins module as first initialised; this restores it.
-    _imp.create_builtin(
-        importlib.machinery.ModuleSpec("builtins", importlib.machinery.BuiltinImporter)
-    )
-    site.setquit()
-    site.setcopyright()
-    site.sethelper()
-
-
-def _defined_outside_builtins(value: Any) -> bool:
-    if isinstance(value, (type, types.BuiltinFunctionType, types.ModuleType)):
-        return False
-    module = getattr(value, "__module__", None) or getattr(type(value), "__module__", None)
-    return module not in (None, "builtins", "_sitebuiltins")
-
-
-def _fresh_asyncio() -> None:
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
-        return
-    # The kernel's main thread was inside its event loop: asyncio.run() would refuse to start.
-    _INHERITED.append(asyncio.events._get_running_loop())
-    asyncio.events._set_running_loop(None)
-    _INHERITED.append(asyncio.get_event_loop_policy())
-    asyncio.set_event_loop_policy(None)
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - better the kernel's copy than none at all
+            sys.modules[name] = old
+            parent, _, child = name.rpartition(".")
+            if parent in sys.modules:
+                setattr(sys.modules[parent], child, old)
+    state.fresh_torch_modes()
+    state.allow_inherited_depth()
+    mp_internals.reset_forkserver_lock()
 
 
 def _keep_module(name: str) -> bool:
@@ -255,7 +190,12 @@ def _modules_to_forget() -> set[str]:
     at the fork, in any thread (and their submodules): their import locks are held by a
     thread that is gone or, in this thread, by kernel frames this process never returns to
     (the fork happens inside ``import nbaccel``). Another thread importing one would wait
-    forever; forgotten, it is imported anew."""
+    forever; forgotten, it is imported anew.
+
+    Kept although not kept by name: packages that defined torch operators (``torch.library``);
+    the operators stay registered here, and importing the package again would register them
+    twice (an error).
+    """
     importing = set()
     locks = importlib._bootstrap._module_locks  # type: ignore[attr-defined]
     for name, ref in list(locks.items()):
@@ -264,34 +204,60 @@ def _modules_to_forget() -> set[str]:
             importing.add(name)
             del locks[name]
     packages = tuple(f"{name}." for name in importing)
-    return {
-        n for n in sys.modules if n in importing or n.startswith(packages) or not _keep_module(n)
+    forget = {n for n in sys.modules if n in importing or n.startswith(packages)}
+    candidates = {n for n in sys.modules if not _keep_module(n)} - forget
+    with_operators = {n.partition(".")[0] for n in candidates if _defines_operators(n)}
+    return forget | {n for n in candidates if n.partition(".")[0] not in with_operators}
+
+
+def _defines_operators(name: str) -> bool:
+    torch = sys.modules.get("torch")
+    library = getattr(torch, "library", None)
+    kinds = tuple(
+        k
+        for k in (
+            getattr(library, "Library", None),
+            getattr(
+                getattr(getattr(torch, "_library", None), "custom_ops", None), "CustomOpDef", None
+            ),
+        )
+        if isinstance(k, type)
+    )
+    module = sys.modules.get(name)
+    if not kinds or module is None:
+        return False
+    return any(issubclass(type(v), kinds) for v in list(vars(module).values()))
+
+
+def _kept_but_the_kernels(forget: set[str]) -> set[str]:
+    """Kept modules that hold a function, class or module of the kernel's side (a patched
+    ``getpass.getpass``, torch.hub's notebook bar): to be imported afresh."""
+    kernel = {
+        n for n in forget if n.partition(".")[0] in KERNEL_SIDE or n.startswith(NOTEBOOK_BARS)
     }
-
-
-def _fresh_exit_hooks() -> None:
-    """Run at a rank's exit only what a fresh interpreter would run there.
-
-    The kernel's hooks must never run in a rank (IPython's history writer, zmq's context, or
-    ``atexit.register(shutil.rmtree, the_kernels_tmpdir)`` from a cell or a library), and atexit
-    cannot list them. So all go, and the hooks the kept modules registered when the kernel
-    imported them come back, in their order (torch 2.13's ``import torch`` registers these;
-    what the server and the ranks import afterwards registers its own as usual). The kernel's
-    ``weakref.finalize(..., atexit=True)`` callbacks go too: they clean up after the kernel.
-    """
-    atexit._clear()
-    weakref.finalize._registry.clear()  # type: ignore[attr-defined]
-    for module_name, attribute in _KEPT_EXIT_HOOKS:
-        module = sys.modules.get(module_name)
-        hook = module
-        for part in attribute.split("."):
-            hook = getattr(hook, part, None)
-        if module is not None and callable(hook):
-            atexit.register(hook)
+    if not kernel:
+        return set()
+    owned = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
+    anew = set()
+    for name, module in list(sys.modules.items()):
+        if name in forget or module is None:
+            continue
+        for value in list(vars(module).values()):
+            kind = type(value)
+            if issubclass(kind, types.ModuleType):  # type(), not isinstance: see below
+                origin = value.__name__
+            elif kind in owned or issubclass(kind, type):
+                origin = getattr(getattr(value, "__func__", value), "__module__", None)
+            else:
+                continue
+            if origin in kernel:
+                anew.add(name)
+                break
+    return anew
 
 
 def _forget_modules(forget: set[str]) -> None:
-    _INHERITED.append({n: sys.modules[n] for n in forget if n in sys.modules})
+    state.INHERITED.append({n: sys.modules[n] for n in forget if n in sys.modules})
     for name in forget:
         sys.modules.pop(name, None)
     main = types.ModuleType("__main__")
