@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from multiprocessing import connection, resource_tracker, util
 
@@ -82,7 +83,11 @@ def fork_forkserver(serve: Callable[[int, int], object], preload: list[str]) -> 
         listener.listen()
         alive_r, alive_w = os.pipe()
         try:
-            pid = os.fork()
+            with warnings.catch_warnings():
+                # Python 3.12+ warns of fork() in a multi-threaded process; the caller has
+                # made sure the child never uses what the other threads own.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
             if pid == 0:
                 try:
                     serve(listener.fileno(), alive_r)

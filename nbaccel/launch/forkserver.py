@@ -109,7 +109,14 @@ def zygote_unavailable() -> str | None:
         is_initialized = getattr(device, "is_initialized", None)
         if is_initialized is not None and is_initialized():
             return f"{name.upper()} is initialised in the kernel (a fork would inherit it)"
-    if sys.gettrace() is not None:
+    if _cuda_driver_loaded():
+        return (
+            "CUDA's driver is loaded in the kernel (torch.cuda.is_available() loads it): "
+            "a fork of the kernel could not use the GPU"
+        )
+    if getattr(getattr(torch, "version", None), "hip", None):
+        return "ROCm builds of torch are not checked with a fork of the kernel"
+    if sys.gettrace() is not None or _monitoring_tools():
         return "a debugger or tracer is active in the kernel"
     private = _private_memory()
     if private > ZYGOTE_MAX_PRIVATE_BYTES:
@@ -122,6 +129,24 @@ def zygote_unavailable() -> str | None:
     if not mp_internals.can_fork_forkserver():
         return "this Python's multiprocessing fork server is not one nbaccel knows"
     return None
+
+
+def _cuda_driver_loaded() -> bool:
+    """Whether libcuda is mapped into this process: any CUDA call, ``is_available()`` and
+    ``device_count()`` included, loads and initialises it, and a fork cannot use it after."""
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libcuda.so" in line for line in f)
+    except OSError:
+        return False
+
+
+def _monitoring_tools() -> bool:
+    """Whether a debugger or profiler uses ``sys.monitoring`` (Python 3.12+)."""
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is None:
+        return False
+    return any(monitoring.get_tool(tool) is not None for tool in range(6))
 
 
 def _private_memory() -> int:
