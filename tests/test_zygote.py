@@ -18,20 +18,27 @@ from tests.kernel_helpers import KernelSession
 
 pytestmark = pytest.mark.slow  # real kernels
 
-# What the kernel holds before `import nbaccel`: torch, tqdm.auto (its notebook bar), a name,
-# and an exit hook of its own (a stdlib callable, as `atexit.register(shutil.rmtree, tmp)` is).
+# What the kernel holds before `import nbaccel`: torch (and its modes changed), tqdm.auto (its
+# notebook bar), a name, a multiprocessing child of its own, and an exit hook of its own (a
+# stdlib callable, as `atexit.register(shutil.rmtree, tmp)` is).
 BEFORE = (
-    "import asyncio, atexit, importlib, os, pathlib, sys\nimport torch, tqdm.auto\n"
+    "import asyncio, atexit, importlib, multiprocessing, os, pathlib, sys, time\n"
+    "import torch, tqdm.auto\n"
     "USER_SECRET = 42\n"
+    "torch.set_default_dtype(torch.float64)\ntorch.set_grad_enabled(False)\n"
+    "_child = multiprocessing.Process(target=time.sleep, args=(300,), daemon=True)\n"
+    "_child.start()\n"
     "atexit.register(pathlib.Path(os.environ['PROBE_DIR'], 'kernel-hook-ran').touch)\n"
 )
-
 PROBE = textwrap.dedent(
     """
     def probe():
-        import asyncio, builtins, logging, logging.handlers, os, pathlib, signal, sys
+        import asyncio, builtins, getpass, logging, logging.handlers, os, pathlib, signal, sys
         import threading, warnings, weakref
-        import tqdm.auto
+        import torch, tqdm.auto
+
+        # torch's own log handler: its line must reach this launch's cell as the rank's
+        logging.getLogger("torch.distributed").warning("TORCH-LOG from a rank")
 
         # What the rank's exit must still do: flush buffered log records, run finalisers.
         d, rank = pathlib.Path(os.environ["PROBE_DIR"]), os.environ["RANK"]
@@ -68,6 +75,8 @@ PROBE = textwrap.dedent(
             "warning_categories": sorted({f[2].__module__ for f in warnings.filters}),
             "main_names": sorted(n for n in vars(sys.modules["__main__"]) if n[:1] != "_"),
             "tqdm_auto": tqdm.auto.tqdm.__module__,
+            "getpass": getpass.getpass.__module__,  # not ipykernel's (it waits on zmq)
+            "torch_modes": [torch.is_grad_enabled(), str(torch.get_default_dtype())],
             "title": open("/proc/self/cmdline").read().split("\\0")[0],
         }
     """
@@ -91,11 +100,18 @@ def server_kind(kernel: KernelSession) -> str:
 def probe_ranks(env: dict[str, str], d) -> tuple[str, list[dict]]:
     with kernel_with({**env, "PROBE_DIR": str(d)}) as kernel:
         kernel.execute(PROBE)
-        states = value(kernel, "nbaccel.notebook_launcher(probe, num_processes=2, return_all=True)")
+        cell = kernel.execute("nbaccel.notebook_launcher(probe, num_processes=2, return_all=True)")
+        assert cell.error is None, cell.error_text
+        states = eval(cell.results[-1]["text/plain"])
+        assert "[rank0]" in cell.stderr and "TORCH-LOG from a rank" in cell.stderr, cell.stderr
         ran = sorted(p.name for p in d.iterdir())
         assert ran == ["finalized-0", "finalized-1", "log-0", "log-1"], ran  # not the kernel's
         assert all((d / f"log-{r}").read_text() == "flushed at exit\n" for r in (0, 1))
-        return server_kind(kernel), states
+        kind = server_kind(kernel)
+        # A server restarted (other preloads) ends the first one; the kernel's child lives on.
+        value(kernel, "nbaccel.notebook_launcher(lambda: 1, num_processes=1, preload=('json',))")
+        assert value(kernel, "(_child.is_alive(), _child.exitcode)") == (True, None)
+        return kind, states
 
 
 def test_a_rank_from_the_kernel_fork_is_a_rank_from_a_fresh_server(tmp_path):
@@ -113,6 +129,8 @@ def test_a_rank_from_the_kernel_fork_is_a_rank_from_a_fresh_server(tmp_path):
         assert set(state.pop("main_names")) <= {"main"}  # (a fresh server's -c defines main)
         assert not state["tqdm_auto"].startswith("tqdm.notebook")  # no widget bars in a rank
         assert state["title"].startswith("nbaccel rank ")
+        assert state["getpass"] == "getpass"
+        assert state["torch_modes"] == [True, "torch.float32"]  # as `import torch` leaves them
     for forked_rank, fresh_rank in zip(forked, fresh):
         # a fresh server leaves one /dev/null open (its stdin) that the fork does not
         assert forked_rank.pop("open_fds") <= fresh_rank.pop("open_fds")
@@ -161,3 +179,21 @@ def test_a_kernel_holding_much_memory_gets_a_fresh_server_instead():
         assert server_kind(kernel) == "fresh interpreter"
         assert "GiB of its own memory" in value(kernel, "_fs.zygote_unavailable()")
         assert value(kernel, "nbaccel.notebook_launcher(lambda: 3, num_processes=2)") == 3
+
+
+def test_a_module_that_defined_torch_operators_before_import_still_works_in_ranks(tmp_path):
+    # Imported again in a rank, it would register its operators twice (an error).
+    (tmp_path / "ops_mod.py").write_text(
+        "import torch\n"
+        "lib = torch.library.Library('nbaccel_zygote_test', 'DEF')\n"
+        "lib.define('twice(Tensor x) -> Tensor')\n"
+        "lib.impl('twice', lambda x: x * 2, 'CPU')\n"
+    )
+    before = f"import os\nos.chdir({str(tmp_path)!r})\nimport torch, ops_mod\n"
+    with kernel_with({}, before) as kernel:
+        assert server_kind(kernel) == "fork of the kernel"
+        kernel.execute(
+            "def twice():\n    import torch, ops_mod\n"
+            "    return float(torch.ops.nbaccel_zygote_test.twice(torch.ones(1)))"
+        )
+        assert value(kernel, "nbaccel.notebook_launcher(twice, num_processes=2)") == 2.0
