@@ -4,7 +4,8 @@
 
 Checks, in under 3 minutes: launching after this process initialised CUDA; in a real kernel, a
 fork server forked from the kernel before CUDA (ranks use the GPU though the kernel initialised
-CUDA afterwards) and a fresh-interpreter one where CUDA came first; NCCL DDP (one GPU per rank) gives the same weights as one process
+CUDA afterwards) and a fresh-interpreter one where CUDA (or just ``torch.cuda.is_available()``)
+came first; NCCL DDP (one GPU per rank) gives the same weights as one process
 with the whole batch; bf16 and fp16 autocast train; fp8 through torchao trains where the GPU
 (compute capability 8.9+) and torchao allow, and otherwise fails with the documented message.
 Prints one line per check and exits non-zero if any failed.
@@ -69,6 +70,8 @@ def check_kernel_fork_server_and_cuda() -> str:
     for startup, kind in (
         ("import torch, nbaccel", "fork of the kernel"),
         ("import torch\ntorch.zeros(1, device='cuda')\nimport nbaccel", "fresh interpreter"),
+        # is_available() loads CUDA's driver without is_initialized() saying so
+        ("import torch\ntorch.cuda.is_available()\nimport nbaccel", "fresh interpreter"),
     ):
         with KernelSession(env={"NBACCEL_VIEW": "text"}, startup=startup) as kernel:
             cell = kernel.execute(ZYGOTE_CELL, timeout=300)
