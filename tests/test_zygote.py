@@ -93,6 +93,13 @@ def value(kernel: KernelSession, code: str):
     return eval(cell.results[-1]["text/plain"])
 
 
+def launched(kernel: KernelSession, definition: str, call: str):
+    """Define a function in a cell, then return what ``call`` (a launch of it) gives."""
+    cell = kernel.execute(definition)
+    assert cell.error is None, cell.error_text
+    return value(kernel, call)
+
+
 def server_kind(kernel: KernelSession) -> str:
     return value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.server_kind()")
 
@@ -146,8 +153,9 @@ def test_a_module_edited_and_reloaded_after_import_reaches_the_ranks_as_edited(t
         value(kernel, "importlib.reload(helper_mod).VALUE")
         # by reference (cloudpickle imports the module in the rank) and from a cell
         assert value(kernel, "nbaccel.notebook_launcher(helper_mod.value, num_processes=2)") == 2
-        kernel.execute("def from_cell():\n    import helper_mod\n    return helper_mod.VALUE")
-        assert value(kernel, "nbaccel.notebook_launcher(from_cell, num_processes=2)") == 2
+        from_cell = "def from_cell():\n    import helper_mod\n    return helper_mod.VALUE"
+        call = "nbaccel.notebook_launcher(from_cell, num_processes=2)"
+        assert launched(kernel, from_cell, call) == 2
 
 
 def test_ranks_multiply_on_two_threads_after_the_kernel_did_before_import():
@@ -158,11 +166,12 @@ def test_ranks_multiply_on_two_threads_after_the_kernel_did_before_import():
     )
     with kernel_with({}, before) as kernel:
         assert server_kind(kernel) == "fork of the kernel"
-        kernel.execute(
+        matmul = (
             "def matmul():\n    import torch\n    torch.set_num_threads(2)\n"
             "    a = torch.randn(1000, 1000)\n    (a @ a).sum()\n    return torch.get_num_threads()"
         )
-        assert value(kernel, "nbaccel.notebook_launcher(matmul, num_processes=1, timeout=60)") == 2
+        call = "nbaccel.notebook_launcher(matmul, num_processes=1, timeout=60)"
+        assert launched(kernel, matmul, call) == 2
         assert value(kernel, "int((_a @ _a).shape[0])") == 1000  # and the kernel still can
 
 
@@ -192,8 +201,8 @@ def test_a_module_that_defined_torch_operators_before_import_still_works_in_rank
     before = f"import os\nos.chdir({str(tmp_path)!r})\nimport torch, ops_mod\n"
     with kernel_with({}, before) as kernel:
         assert server_kind(kernel) == "fork of the kernel"
-        kernel.execute(
+        twice = (
             "def twice():\n    import torch, ops_mod\n"
             "    return float(torch.ops.nbaccel_zygote_test.twice(torch.ones(1)))"
         )
-        assert value(kernel, "nbaccel.notebook_launcher(twice, num_processes=2)") == 2.0
+        assert launched(kernel, twice, "nbaccel.notebook_launcher(twice, num_processes=2)") == 2.0
