@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing.forkserver
 import os
 import socket
+import threading
 import warnings
 from collections.abc import Callable
 from multiprocessing import connection, resource_tracker, util
@@ -107,8 +108,6 @@ def fork_forkserver(serve: Callable[[int, int], object], preload: list[str]) -> 
 def reset_forkserver_lock() -> None:
     """In a process forked without exec: a fresh lock for the fork-server record, in case the
     fork happened while another thread held it."""
-    import threading
-
     multiprocessing.forkserver._forkserver._lock = threading.Lock()
 
 

@@ -39,7 +39,9 @@ notebook progress bar) is imported afresh here. Each kind of process state is re
 
 from __future__ import annotations
 
+import atexit
 import builtins
+import gc
 import importlib
 import multiprocessing.forkserver
 import os
@@ -128,8 +130,6 @@ def serve(listener_fd: int, alive_r: int, preload: list[str], env: dict[str, str
             pass
     finally:
         try:
-            import atexit
-
             atexit._run_exitfuncs()  # the server guard's: stop everything below this server
         finally:
             os._exit(code)
@@ -142,8 +142,6 @@ def become_fresh(keep_fds: tuple[int, ...]) -> None:
         os.setpgid(0, 0)  # and so is its process group (the server guard does this too)
     except OSError:
         pass
-    import gc
-
     gc.freeze()  # nothing inherited is ever collected (see kernel_state.INHERITED)
     state.close_inherited_fds(keep_fds)
     kernel_streams = state.fresh_streams_and_hooks()
@@ -206,23 +204,24 @@ def _modules_to_forget() -> set[str]:
     packages = tuple(f"{name}." for name in importing)
     forget = {n for n in sys.modules if n in importing or n.startswith(packages)}
     candidates = {n for n in sys.modules if not _keep_module(n)} - forget
-    with_operators = {n.partition(".")[0] for n in candidates if _defines_operators(n)}
+    kinds = _operator_kinds()
+    with_operators = {n.partition(".")[0] for n in candidates if _holds(n, kinds)}
     return forget | {n for n in candidates if n.partition(".")[0] not in with_operators}
 
 
-def _defines_operators(name: str) -> bool:
+def _operator_kinds() -> tuple[type, ...]:
+    """The classes of torch's operator definitions a module may hold (``torch.library.Library``,
+    ``@torch.library.custom_op``'s ``CustomOpDef``), as far as this torch has them."""
     torch = sys.modules.get("torch")
-    library = getattr(torch, "library", None)
-    kinds = tuple(
-        k
-        for k in (
-            getattr(library, "Library", None),
-            getattr(
-                getattr(getattr(torch, "_library", None), "custom_ops", None), "CustomOpDef", None
-            ),
-        )
-        if isinstance(k, type)
+    custom_ops = getattr(getattr(torch, "_library", None), "custom_ops", None)
+    found = (
+        getattr(getattr(torch, "library", None), "Library", None),
+        getattr(custom_ops, "CustomOpDef", None),
     )
+    return tuple(k for k in found if isinstance(k, type))
+
+
+def _holds(name: str, kinds: tuple[type, ...]) -> bool:
     module = sys.modules.get(name)
     if not kinds or module is None:
         return False
@@ -237,7 +236,7 @@ def _kept_but_the_kernels(forget: set[str]) -> set[str]:
     }
     if not kernel:
         return set()
-    owned = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)
+    owned = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
     anew = set()
     for name, module in list(sys.modules.items()):
         if name in forget or module is None:
