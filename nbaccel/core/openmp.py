@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 
+from nbaccel.core import libc
+
 # OpenMP runtimes a process may have loaded (GNU, Intel, LLVM), by the file name's start.
 _RUNTIMES = ("libgomp", "libiomp", "libomp")
 _OMP_PAUSE_HARD = 2
@@ -22,11 +24,7 @@ _OMP_PAUSE_HARD = 2
 
 def loaded_runtimes() -> list[str]:
     """Paths of the OpenMP runtimes mapped into this process (Linux; empty elsewhere)."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "/" in line}
-    except OSError:
-        return []
+    paths = libc.loaded_libraries()
     return sorted(p for p in paths if p.rsplit("/", 1)[-1].startswith(_RUNTIMES))
 
 

@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from nbaccel.core import mp_internals, openmp
+from nbaccel.core import libc, mp_internals, openmp
 from nbaccel.launch import containment
 from nbaccel.rank import zygote
 from nbaccel.ui import in_kernel
@@ -134,11 +134,7 @@ def zygote_unavailable() -> str | None:
 def _cuda_driver_loaded() -> bool:
     """Whether libcuda is mapped into this process: any CUDA call, ``is_available()`` and
     ``device_count()`` included, loads and initialises it, and a fork cannot use it after."""
-    try:
-        with open("/proc/self/maps") as f:
-            return any("libcuda.so" in line for line in f)
-    except OSError:
-        return False
+    return any("libcuda.so" in path for path in libc.loaded_libraries())
 
 
 def _monitoring_tools() -> bool:
