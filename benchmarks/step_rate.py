@@ -12,8 +12,8 @@ All run in one kernel with the widget dashboard forced (``NBACCEL_VIEW=widgets``
 
 Each rank times its steady state (after ``warmup`` steps) with ``perf_counter``; a run's rate is
 the slowest rank's. The kernel's CPU seconds per second of the launch (``time.process_time``,
-every kernel thread) show what the relay and the view take from the cores the ranks run on. Thread counts are pinned in the workload, so launchers' defaults do not
-differ.
+every kernel thread) show what the relay and the view take from the cores the ranks run on.
+Thread counts are pinned in the workload, so launchers' defaults do not differ.
 """
 
 from __future__ import annotations
