@@ -37,6 +37,7 @@ IMPORTS = {
     "mp_fork": "import torch.multiprocessing as mp",
     "mp_spawn": "import torch.multiprocessing as mp",
     "torchrun": "import subprocess",
+    "no_launcher": "",
 }
 LAUNCH = {
     "nbaccel": "nbaccel.notebook_launcher(W.train, args=(_cfg,), num_processes={world}{kw})",
@@ -58,6 +59,8 @@ LAUNCH = {
         "f'--master-port={{W.free_port()}}', '-m', 'benchmarks.workload', json.dumps(_cfg)], "
         "check=True)"
     ),
+    # The floor: the same function run by the kernel itself, one process, no launcher at all.
+    "no_launcher": "_cfg.update(world_size=1, port=W.free_port())\nW.train_indexed(0, _cfg)",
 }
 # Human-readable call, for the results table and README.
 CALLS = {
@@ -67,6 +70,8 @@ CALLS = {
     "mp_spawn": "torch.multiprocessing.start_processes(train, nprocs=2, start_method='spawn')",
     "torchrun": "subprocess.run(['python', '-m', 'torch.distributed.run', '--nproc-per-node=2', "
     "'--master-port=<free>', '-m', 'benchmarks.workload', cfg])",
+    "no_launcher": "train_indexed(0, cfg) in the kernel itself, world size 1 (no launcher: the "
+    "floor)",
 }
 STARTUP = "import json, os, sys, time\nimport torch\nimport benchmarks.workload as W\n"
 
@@ -88,7 +93,7 @@ def unavailable_reason(contender: str) -> str | None:
 @contextlib.contextmanager
 def kernel(imports: Sequence[str] = (), env: dict[str, str] | None = None) -> Iterator[Any]:
     """A fresh kernel that has imported torch, the workload and the given contenders."""
-    extra = "\n".join(dict.fromkeys(IMPORTS[c] for c in imports))
+    extra = "\n".join(dict.fromkeys(IMPORTS[c] for c in imports if IMPORTS[c]))
     kernel_env = {"PYTHONPATH": str(ROOT), **(env or {})}
     with KernelSession(env=kernel_env, startup=STARTUP + extra) as session:
         try:

@@ -6,6 +6,11 @@ launchers differ) once — the *first launch* — and again ``repeats`` times in
 *repeated launches*. The latency is the last rank's ``time.time()`` after its first optimizer step
 minus the kernel's ``time.time()`` just before the launcher call; for torchrun that is just before
 ``subprocess.run`` starts it. Repetitions are interleaved with a rotating order.
+
+``no_launcher`` is the floor: the kernel runs the same function itself, as one process. Its first
+step pays what any rank's first step pays in a process that has only torch (the first optimizer
+step imports ``torch._dynamo``); no launcher's first launch right after the import cell can be
+faster, so ``floor_vs_accelerate`` bounds the ratio any launcher can reach against Accelerate's.
 """
 
 from __future__ import annotations
@@ -14,8 +19,13 @@ from typing import Any
 
 from benchmarks import harness as H
 
-CONTENDERS = ("nbaccel", "accelerate", "mp_fork", "mp_spawn", "torchrun")
-FAST = ("nbaccel", "accelerate", "mp_fork")  # the contenders a smoke run launches twice
+CONTENDERS = ("nbaccel", "accelerate", "mp_fork", "mp_spawn", "torchrun", "no_launcher")
+FAST = (
+    "nbaccel",
+    "accelerate",
+    "mp_fork",
+    "no_launcher",
+)  # the contenders a smoke run launches twice
 
 
 def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any]:
@@ -29,9 +39,10 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
     server_kinds: list[str] = []  # what nbaccel's fork server was in each fresh kernel
 
     def launch(session: Any, c: str, kind: str) -> None:
+        ranks = 1 if c == "no_launcher" else world
         try:
-            result = H.run_launch(session, c, cfg, world, scratch)
-            raw[c][kind].append(H.first_step_latency(result, world))
+            result = H.run_launch(session, c, cfg, ranks, scratch)
+            raw[c][kind].append(H.first_step_latency(result, ranks))
             raw[c]["cell_" + kind].append(result["t1"] - result["t0"])
             if c == "nbaccel" and kind == "first":
                 server_kinds.append(H.nbaccel_server_kind(session))
@@ -83,4 +94,7 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
             entry[key.replace("_s", "_vs_nbaccel")] = H.ratio(
                 entry[key]["median"], base[key]["median"]
             )
+    first = {c: e.get("first_launch_s", {}).get("median") for c, e in out["contenders"].items()}
+    out["nbaccel_first_vs_accelerate"] = H.ratio(first.get("nbaccel"), first.get("accelerate"))
+    out["floor_vs_accelerate"] = H.ratio(first.get("no_launcher"), first.get("accelerate"))
     return out

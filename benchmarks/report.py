@@ -133,7 +133,10 @@ def render(results: dict[str, Any]) -> str:
             _launch_row,
             after=[
                 "nbaccel's fork server in the fresh kernels: "
-                + (", ".join(s.get("nbaccel_server_kinds") or []) or "–")
+                + (", ".join(s.get("nbaccel_server_kinds") or []) or "–"),
+                f"First launch ÷ Accelerate's: nbaccel {_num(s.get('nbaccel_first_vs_accelerate'))}"
+                f", the floor (no launcher) {_num(s.get('floor_vs_accelerate'))}: no launcher's "
+                "first launch right after the import cell beats the kernel's own first step.",
             ],
         )
     if s := results.get("steps"):
