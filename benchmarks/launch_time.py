@@ -7,10 +7,11 @@ launchers differ) once — the *first launch* — and again ``repeats`` times in
 minus the kernel's ``time.time()`` just before the launcher call; for torchrun that is just before
 ``subprocess.run`` starts it. Repetitions are interleaved with a rotating order.
 
-``no_launcher`` is the floor: the kernel runs the same function itself, as one process. Its first
-step pays what any rank's first step pays in a process that has only torch (the first optimizer
-step imports ``torch._dynamo``); no launcher's first launch right after the import cell can be
-faster, so ``floor_vs_accelerate`` bounds the ratio any launcher can reach against Accelerate's.
+``no_launcher`` is the floor: the kernel imports what the first optimizer step imports
+(``torch._dynamo``, the fastest way known here: the garbage collector paused), then runs the same
+function itself, as one process. Some process must do that import after the import cell, whatever
+launches the ranks, so no launcher's first launch right after the import cell can be faster, and
+``floor_vs_accelerate`` bounds the ratio any launcher can reach against Accelerate's.
 """
 
 from __future__ import annotations
