@@ -124,6 +124,8 @@ def train_mixed(mixed_precision: str) -> dict:
     set_seed(0)
     acc = Accelerator(mixed_precision=mixed_precision)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    inside = set()  # what the layers compute in (autocast), seen by a hook on the last one
+    model[2].register_forward_hook(lambda _m, _i, out: inside.add(str(out.dtype)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     dl = DataLoader(_dataset(), batch_size=16, shuffle=True)
@@ -132,7 +134,7 @@ def train_mixed(mixed_precision: str) -> dict:
     for step, (x, y) in enumerate(dl):
         out = model(x)
         dtypes.add(out.dtype)
-        loss = torch.nn.functional.mse_loss(out.float(), y)
+        loss = torch.nn.functional.mse_loss(out, y)
         overflow = mixed_precision == "fp16" and step == 3
         acc.backward(loss * float("inf") if overflow else loss)
         acc.clip_grad_norm_(model.parameters(), 10.0)
@@ -141,10 +143,19 @@ def train_mixed(mixed_precision: str) -> dict:
         opt.zero_grad()
         skipped.append(acc.optimizer_step_was_skipped)
         losses.append(loss.item())
+    seen_in_training = sorted(inside)
+    inside.clear()
+    unwrapped = acc.unwrap_model(model)(x)  # keeps the autocast and float32 outputs
+    unwrapped_inside = sorted(inside)
+    inside.clear()
+    bare = acc.unwrap_model(model, keep_fp32_wrapper=False)(x)
     return {
         "losses": losses,
         "skipped": skipped,
         "dtypes": sorted(str(d) for d in dtypes),
+        "inside": seen_in_training,
+        "unwrapped": [str(unwrapped.dtype), unwrapped_inside],
+        "bare": [str(bare.dtype), sorted(inside)],
         "sched_steps": sched.last_epoch,
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
     }
@@ -154,7 +165,10 @@ def train_mixed(mixed_precision: str) -> dict:
 def test_mixed_precision_trains_on_cpu(precision):
     r = nbaccel.notebook_launcher(train_mixed, args=(precision,), num_processes=2, progress=False)
     expected = "torch.bfloat16" if precision == "bf16" else "torch.float16"
-    assert r["dtypes"] == [expected]
+    # The layers compute in half precision; the model hands back float32, as in Accelerate.
+    assert r["inside"] == [expected] and r["dtypes"] == ["torch.float32"]
+    assert r["unwrapped"] == ["torch.float32", [expected]]
+    assert r["bare"] == ["torch.float32", ["torch.float32"]]  # no autocast left
     first, last = sum(r["losses"][:3]) / 3, sum(r["losses"][-3:]) / 3
     assert last < 0.5 * first, r["losses"]
     steps = len(r["losses"])

@@ -292,7 +292,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         else:
             wrapped = self._strategy.setup_module(model)
         if self._precision.name != "no":
-            self._precision.autocast_forward(wrapped, self.autocast_handler)
+            # On the user's module, not the wrapper: unwrap_model() keeps it, as in Accelerate.
+            self._precision.autocast_forward(self._strategy.unwrap(wrapped), self.autocast_handler)
         if self.dynamo_backend is not None:
             wrapped = torch.compile(wrapped, backend=self.dynamo_backend)
         self._models.append(wrapped)

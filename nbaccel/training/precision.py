@@ -24,6 +24,7 @@ import torch
 from nbaccel.core import capabilities
 from nbaccel.core.config import MIXED_PRECISION_CHOICES
 from nbaccel.core.hardware import GPU
+from nbaccel.training.ops import recursively_apply
 
 
 class Precision:
@@ -45,13 +46,16 @@ class Precision:
 
     def autocast_forward(self, module: torch.nn.Module, handler: Any = None) -> None:
         """Make ``module``'s forward run under :meth:`forward_context`, so users need no
-        ``with accelerator.autocast()`` (undone by :meth:`remove_autocast_forward`)."""
+        ``with accelerator.autocast()``, and hand back its half-precision outputs in float32,
+        as Accelerate does (metrics, ``.numpy()`` and losses outside the model see float32).
+        Undone by :meth:`remove_autocast_forward`."""
         original = module.forward
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             with self.forward_context(handler):
-                return original(*args, **kwargs)
+                outputs = original(*args, **kwargs)
+            return outputs_to_fp32(outputs)
 
         forward.__nbaccel_original__ = original
         module.forward = forward
@@ -78,6 +82,18 @@ class Precision:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def outputs_to_fp32(outputs: Any) -> Any:
+    """``outputs`` with every float16/bfloat16 tensor in it (nested in lists, tuples, dicts)
+    converted to float32; other values unchanged.
+
+    >>> outputs_to_fp32({"logits": torch.ones(2, dtype=torch.bfloat16), "n": 3})["logits"].dtype
+    torch.float32
+    """
+    return recursively_apply(
+        lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, outputs
+    )
 
 
 class AutocastPrecision(Precision):
