@@ -142,6 +142,17 @@ def _methods() -> list[str]:
     return ["__init__", *names]
 
 
+def _assert_same_parameters(theirs: dict, ours: dict, label: str) -> None:
+    """Every parameter of Accelerate's exists, positional ones in the same order (so positional
+    calls mean the same thing), and nbaccel requires none that Accelerate does not."""
+    missing = [p for p in theirs if p not in ours]
+    assert not missing, f"{label} lacks parameters {missing}"
+    positional = [p for p, v in theirs.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
+    assert list(ours)[: len(positional)] == positional, f"{label}: {list(ours)} vs {positional}"
+    extra = [p for p, v in ours.items() if p not in theirs and v.default is v.empty]
+    assert not extra, f"{label} requires parameters Accelerate does not: {extra}"
+
+
 @pytest.mark.parametrize("name", _methods())
 def test_methods_take_accelerates_parameters(name):
     theirs = _params(getattr(accelerate.Accelerator, name))
@@ -151,13 +162,21 @@ def test_methods_take_accelerates_parameters(name):
         cells = getattr(accelerate.Accelerator, name).__closure__ or ()
         (inner,) = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)]
         theirs = _params(inner)
-    missing = [p for p in theirs if p not in ours]
-    assert not missing, f"Accelerator.{name} lacks parameters {missing}"
-    # Positional order matches, so positional calls mean the same thing.
-    positional = [p for p, v in theirs.items() if v.kind is v.POSITIONAL_OR_KEYWORD]
-    assert list(ours)[: len(positional)] == positional, f"{name}: {list(ours)} vs {positional}"
-    extra = [p for p, v in ours.items() if p not in theirs and v.default is v.empty]
-    assert not extra, f"Accelerator.{name} requires parameters Accelerate does not: {extra}"
+    _assert_same_parameters(theirs, ours, f"Accelerator.{name}")
+
+
+def _utils_functions() -> list[str]:
+    import accelerate.utils
+
+    return [n for n in UTILS if inspect.isfunction(getattr(accelerate.utils, n, None))]
+
+
+@pytest.mark.parametrize("name", _utils_functions())
+def test_utils_functions_take_accelerates_parameters(name):
+    import accelerate.utils
+
+    theirs = _params(inspect.unwrap(getattr(accelerate.utils, name)))
+    _assert_same_parameters(theirs, _params(getattr(nbaccel.utils, name)), name)
 
 
 @pytest.mark.parametrize("name", TOP_LEVEL)

@@ -148,12 +148,46 @@ def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
 
 
 def load_checkpoint_in_model(
-    model: torch.nn.Module, checkpoint: str | os.PathLike[str], strict: bool = False
+    model: torch.nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device_map: Any = None,
+    offload_folder: Any = None,
+    dtype: str | torch.dtype | None = None,
+    offload_state_dict: bool = False,
+    offload_buffers: bool = False,
+    keep_in_fp32_modules: list[str] | None = None,
+    offload_8bit_bnb: bool = False,
+    strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
 ) -> None:
-    """Load a file or ``save_model`` folder into ``model`` (Accelerate's name).
+    """Load a file or ``save_model`` folder into ``model`` (Accelerate's name and parameters),
+    its floating-point weights cast to ``dtype`` when given. Big-model loading (``device_map``,
+    offloading, 8-bit, sharded state dicts) is refused with the reason.
 
     Example::
 
         load_checkpoint_in_model(model, "out/")
+        load_checkpoint_in_model(model, "out/model.safetensors", dtype=torch.bfloat16)
     """
-    model.load_state_dict(load_state_dict_files(checkpoint), strict=strict)
+    big_model = {
+        "device_map": device_map is not None,
+        "offload_folder": offload_folder is not None,
+        "offload_state_dict": offload_state_dict,
+        "offload_buffers": offload_buffers,
+        "keep_in_fp32_modules": bool(keep_in_fp32_modules),
+        "offload_8bit_bnb": offload_8bit_bnb,
+        "full_state_dict": not full_state_dict,
+        "broadcast_from_rank0": broadcast_from_rank0,
+    }
+    if used := [name for name, given in big_model.items() if given]:
+        raise ValueError(
+            f"load_checkpoint_in_model: {', '.join(used)} (big-model loading) is not supported "
+            "by nbaccel; it loads the whole state dict into the model. Load on the CPU and move "
+            "the model, or shard it with FSDP after loading."
+        )
+    state = load_state_dict_files(checkpoint)
+    if dtype is not None:
+        target = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(state, strict=strict)

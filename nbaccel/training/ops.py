@@ -31,40 +31,80 @@ def _comm() -> Any:
     return xla.Collectives if xla.in_use() else dist
 
 
-def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested lists/tuples/dicts, keeping the structure.
+def is_torch_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor (``recursively_apply``'s default ``test_type``)."""
+    return isinstance(value, torch.Tensor)
+
+
+def recursively_apply(
+    func: Callable[..., Any],
+    data: Any,
+    *args: Any,
+    test_type: Callable[[Any], bool] = is_torch_tensor,
+    error_on_other_type: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Apply ``func(value, *args, **kwargs)`` to every value in nested lists/tuples/dicts that
+    passes ``test_type`` (tensors by default), keeping the structure; other values are kept as
+    they are, or refused with ``error_on_other_type=True``.
 
     Example::
 
         recursively_apply(lambda t: t * 2, {"x": torch.ones(2), "n": [torch.zeros(1)]})
     """
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(recursively_apply(fn, v) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(recursively_apply(fn, v) for v in data)
-    if isinstance(data, Mapping):
-        try:
-            return type(data)({k: recursively_apply(fn, v) for k, v in data.items()})
-        except TypeError:  # mappings whose constructor wants more than a dict
-            return {k: recursively_apply(fn, v) for k, v in data.items()}
-    return data
+
+    def walk(value: Any) -> Any:
+        if test_type(value):
+            return func(value, *args, **kwargs)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*(walk(v) for v in value))
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v) for v in value)
+        if isinstance(value, Mapping):
+            try:
+                return type(value)({k: walk(v) for k, v in value.items()})
+            except TypeError:  # mappings whose constructor wants more than a dict
+                return {k: walk(v) for k, v in value.items()}
+        if error_on_other_type:
+            raise TypeError(
+                f"cannot apply {getattr(func, '__name__', func)} to a {type(value).__name__}: "
+                "only nested lists, tuples and dicts of tensors are supported."
+            )
+        return value
+
+    return walk(data)
 
 
-def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in ``data`` to ``device``; objects with ``.to`` (e.g. HF batches) too.
+def send_to_device(
+    tensor: Any,
+    device: torch.device | str | int,
+    non_blocking: bool = False,
+    skip_keys: str | list[str] | None = None,
+) -> Any:
+    """Move every tensor in ``tensor`` (nested lists/tuples/dicts) to ``device``; objects with
+    ``.to`` (e.g. HF batches) too. Values under ``skip_keys`` of a dict stay where they are.
 
     Example::
 
         batch = send_to_device({"x": x, "y": y}, torch.device("cuda", 0))
+        batch = send_to_device(batch, "cuda", skip_keys="meta")   # batch["meta"] untouched
     """
-    if hasattr(data, "to") and not isinstance(data, torch.Tensor) and hasattr(data, "keys"):
+    skip = [skip_keys] if isinstance(skip_keys, str) else list(skip_keys or ())
+    if isinstance(tensor, Mapping) and skip:
+        moved = {
+            k: v if k in skip else send_to_device(v, device, non_blocking)
+            for k, v in tensor.items()
+        }
         try:
-            return data.to(device)
+            return type(tensor)(moved)
+        except TypeError:
+            return moved
+    if hasattr(tensor, "to") and not isinstance(tensor, torch.Tensor) and hasattr(tensor, "keys"):
+        try:
+            return tensor.to(device)
         except TypeError:
             pass
-    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
+    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), tensor)
 
 
 def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
@@ -85,24 +125,24 @@ def _gather_one(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def gather(data: Any) -> Any:
+def gather(tensor: Any) -> Any:
     """Concatenate every rank's tensors along the first dimension (scalars become length 1).
 
     Example::
 
         preds = accelerator.gather(logits.argmax(-1))    # shape [world * batch]
     """
-    return recursively_apply(_gather_one, data)
+    return recursively_apply(_gather_one, tensor)
 
 
-def gather_object(obj: Any) -> list[Any]:
+def gather_object(object: Any) -> list[Any]:  # Accelerate's parameter name
     """Every rank's picklable object; a list is flattened, anything else becomes one entry.
 
     Example::
 
         names = gather_object([f"rank{rank}"])        # ["rank0", "rank1"]
     """
-    items = obj if isinstance(obj, list) else [obj]
+    items = object if isinstance(object, list) else [object]
     if _world() == 1:
         return list(items)
     out: list[Any] = [None] * _world()
@@ -110,7 +150,7 @@ def gather_object(obj: Any) -> list[Any]:
     return [x for part in out for x in part]
 
 
-def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Average ("mean"), sum ("sum", and "none" as in Accelerate) or take the largest value
     ("max") of every tensor over the ranks; the result is on every rank.
 
@@ -133,11 +173,11 @@ def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
                 out = out / _world()
         return out * scale if scale != 1.0 else out
 
-    return recursively_apply(one, data)
+    return recursively_apply(one, tensor)
 
 
 def pad_across_processes(
-    data: Any, dim: int = 0, pad_index: int | float = 0, pad_first: bool = False
+    tensor: Any, dim: int = 0, pad_index: int | float = 0, pad_first: bool = False
 ) -> Any:
     """Pad every tensor along ``dim`` to the largest size over the ranks, so it can be gathered.
 
@@ -163,10 +203,10 @@ def pad_across_processes(
         out[tuple(index)] = tensor
         return out
 
-    return recursively_apply(one, data)
+    return recursively_apply(one, tensor)
 
 
-def broadcast(data: Any, from_process: int = 0) -> Any:
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Every rank gets ``from_process``'s tensors (same shapes on every rank).
 
     Example::
@@ -180,14 +220,14 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
             _comm().broadcast(tensor, src=from_process)
         return tensor
 
-    return recursively_apply(one, data)
+    return recursively_apply(one, tensor)
 
 
-def broadcast_object_list(objects: list[Any], from_process: int = 0) -> list[Any]:
-    """Fill ``objects`` in place with ``from_process``'s picklable objects; return it."""
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    """Fill ``object_list`` in place with ``from_process``'s picklable objects; return it."""
     if _world() > 1:
-        _comm().broadcast_object_list(objects, src=from_process)
-    return objects
+        _comm().broadcast_object_list(object_list, src=from_process)
+    return object_list
 
 
 def barrier() -> None:

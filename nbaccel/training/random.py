@@ -24,11 +24,13 @@ except ImportError:  # numpy is optional for torch; seed it only where it exists
 RNG_TYPES = ("torch", "cuda", "python", "numpy", "generator")
 
 
-def set_seed(seed: int, device_specific: bool = False) -> None:
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
     """Seed Python's ``random``, NumPy, torch and CUDA.
 
     ``device_specific=True`` adds the process index, so ranks draw different numbers (useful for
-    data augmentation) while the run stays repeatable.
+    data augmentation) while the run stays repeatable. ``deterministic=True`` also makes torch
+    use only deterministic algorithms (``torch.use_deterministic_algorithms``), which raises on
+    an operation that has none.
 
     Example::
 
@@ -44,6 +46,8 @@ def set_seed(seed: int, device_specific: bool = False) -> None:
     if _np is not None:
         _np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device, lazily
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
 
 
 def check_rng_types(rng_types: Any) -> list[str]:
@@ -88,21 +92,29 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def synchronize_rng_states(rng_types: Any) -> None:
-    """Give every rank the main process's ``torch``/``cuda``/``python``/``numpy`` generators.
+def synchronize_rng_states(rng_types: Any, generator: torch.Generator | None = None) -> None:
+    """Give every rank the main process's ``torch``/``cuda``/``python``/``numpy`` generators,
+    and with ``"generator"`` the state of ``generator`` (a DataLoader's, for instance).
 
-    ``"generator"`` needs nothing here: prepared DataLoaders already shuffle with a seed shared
-    by all ranks. Prepared DataLoaders call this at the start of each epoch for the
-    ``Accelerator(rng_types=...)`` they were given.
+    Prepared DataLoaders need no ``"generator"``: they already shuffle with a seed shared by all
+    ranks, and call this at the start of each epoch for the ``Accelerator(rng_types=...)`` they
+    were given.
 
     Example::
 
         synchronize_rng_states(["torch", "python"])     # every rank now draws the same numbers
+        synchronize_rng_states(["generator"], generator=loader.generator)
     """
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if "generator" in rng_types and generator is not None:
+        shared = [generator.get_state()]
+        dist.broadcast_object_list(shared, src=0)
+        generator.set_state(shared[0])
     wanted = [t for t in rng_types if t != "generator"]
-    if not wanted or not (dist.is_available() and dist.is_initialized()):
+    if not wanted:
         return
     payload = [capture_rng_state()]
     dist.broadcast_object_list(payload, src=0)

@@ -12,12 +12,17 @@ from typing import Any
 import torch
 
 from nbaccel.training import ops
+from nbaccel.training.precision import Precision
 
 
 def extract_model_from_parallel(
-    model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    model: torch.nn.Module,
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = True,
+    recursive: bool = False,
 ) -> torch.nn.Module:
-    """The module inside DDP (and torch.compile, unless ``keep_torch_compile``).
+    """The module inside DDP (and torch.compile, unless ``keep_torch_compile``); with
+    ``recursive=True`` also DDP wrappers nested among its submodules.
 
     Example::
 
@@ -29,8 +34,13 @@ def extract_model_from_parallel(
     inner: Any = compiled if compiled is not None else model
     while isinstance(inner, DistributedDataParallel):
         inner = inner.module
-    if not keep_fp32_wrapper and hasattr(inner.__dict__.get("forward"), "__nbaccel_original__"):
-        del inner.__dict__["forward"]
+    if not keep_fp32_wrapper:
+        Precision.remove_autocast_forward(inner)
+    if recursive:
+        for parent in inner.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, DistributedDataParallel):
+                    setattr(parent, name, extract_model_from_parallel(child, keep_fp32_wrapper))
     if compiled is not None and keep_torch_compile and inner is compiled:
         return model
     return inner
