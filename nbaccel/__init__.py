@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 # Public names, imported when first used: name -> module that defines it.
 _LAZY = {
     "notebook_launcher": "nbaccel.launch.launcher",
+    "debug_launcher": "nbaccel.launch.launcher",
     "Ranks": "nbaccel.launch.session",
     "LaunchConfig": "nbaccel.core.config",
     "ConfigError": "nbaccel.core.config",

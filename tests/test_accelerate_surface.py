@@ -68,6 +68,7 @@ TOP_LEVEL = [
     "skip_first_batches",
     "synchronize_rng_states",
     "notebook_launcher",
+    "debug_launcher",
 ]
 UTILS = [
     "DistributedType",
@@ -98,6 +99,17 @@ UTILS = [
     "extract_model_from_parallel",
     "wait_for_everyone",
     "load_checkpoint_in_model",
+    "concatenate",
+    "convert_outputs_to_fp32",
+    "convert_to_fp32",
+    "patch_environment",
+    "save",
+    "tqdm",
+    "write_basic_config",
+    "is_bf16_available",
+    "is_torch_xla_available",
+    "is_tensorboard_available",
+    "is_wandb_available",
 ]
 
 

@@ -36,10 +36,9 @@ from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
 from nbaccel.core.config import LaunchConfig
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.core.failures import describe_exit, describe_raise
+from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX
 from nbaccel.rank import containment
 
-# Global rank, like the notebook's TextView labels.
-LINE_PREFIX = "[rank${rank}] "
 ENTRY_MODULE = "nbaccel.rank.script_entry"
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
@@ -75,7 +74,7 @@ def torchrun_arguments(
         f"--nproc-per-node={nprocs}",
         f"--rdzv-backend={cfg.rdzv_backend}",
         f"--max-restarts={cfg.max_restarts}",
-        # Workers write to files that the agent tails onto our stdout/stderr with LINE_PREFIX.
+        # Workers write to files that the agent tails onto our stdout/stderr, labelled.
         "--redirects=3",
         "--tee=3",
         f"--log-dir={log_dir}",
@@ -119,7 +118,7 @@ def _set_environment(cfg: LaunchConfig, nprocs: int) -> None:
     os.environ.update(
         rendezvous.launcher_environment(cfg.worker_env(), "cli", cfg.main_process_ip, one_machine)
     )
-    os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = LINE_PREFIX
+    os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = DEFAULT_LINE_PREFIX
     os.environ["PYTHONUNBUFFERED"] = "1"  # lines reach the labelled output as they are printed
     if "OMP_NUM_THREADS" not in os.environ:
         # torchrun would force 1 thread and say so in a banner; share the cores out instead.

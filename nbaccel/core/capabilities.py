@@ -39,12 +39,22 @@ class Verdict:
     reason: str = ""
 
 
-def torchao_available() -> bool:
-    """Whether torchao can be imported, found without importing it (so without torch/CUDA)."""
+def package_available(name: str) -> bool:
+    """Whether package ``name`` can be imported, found without importing it (imports of torchao
+    or deepspeed are slow and may initialise CUDA).
+
+    >>> package_available("json"), package_available("no_such_package_here")
+    (True, False)
+    """
     try:
-        return importlib.util.find_spec("torchao") is not None
+        return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+def torchao_available() -> bool:
+    """Whether torchao can be imported (fp8 uses its float8 training)."""
+    return package_available("torchao")
 
 
 def _below(gpus: Sequence[GPU], cc: tuple[int, int]) -> str:
@@ -99,11 +109,8 @@ def check_precision(precision: str, gpus: Sequence[GPU], torchao: bool | None = 
 
 
 def deepspeed_available() -> bool:
-    """Whether deepspeed can be imported, found without importing it (it is slow to import)."""
-    try:
-        return importlib.util.find_spec("deepspeed") is not None
-    except (ImportError, ValueError):
-        return False
+    """Whether deepspeed can be imported (``strategy="deepspeed"`` needs it)."""
+    return package_available("deepspeed")
 
 
 def strategy_verdict(strategy: str, precision: str, deepspeed: bool) -> Verdict:

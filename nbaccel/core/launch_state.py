@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import os
 import statistics
+import string
 import time
 
 RATE_WINDOW = 10.0  # seconds of step samples a rank's rate is measured over
@@ -40,6 +41,22 @@ class RankStatus(_Text):
 STARTING, RUNNING, FINISHED, FAILED, STOPPED = RankStatus
 
 
+# How ranks' lines are labelled: torch elastic's template form, so ``nbaccel launch`` (torch's
+# tee) and notebook launches label alike and ``log_line_prefix_template`` means the same.
+DEFAULT_LINE_PREFIX = "[rank${rank}] "
+
+
+def line_label(template: str, rank: int, local_rank: int) -> str:
+    """``template`` with ``${rank}``, ``${local_rank}`` and ``${role_name}`` filled in.
+
+    >>> line_label("${role_name}-${rank}: ", 3, 1)
+    'default-3: '
+    """
+    return string.Template(template).safe_substitute(
+        rank=rank, local_rank=local_rank, role_name="default"
+    )
+
+
 class Outcome(_Text):
     """How a launch ended."""
 
@@ -63,6 +80,15 @@ class LaunchInfo:
     master_addr: str
     master_port: int
     start_method: str
+    line_prefix: str = DEFAULT_LINE_PREFIX  # torch elastic's log_line_prefix_template form
+
+    def label(self, rank: int) -> str:
+        """The prefix of ``rank``'s output lines in text views.
+
+        >>> LaunchInfo(2, 2, 0, 0, "cpu", "gloo", "no", "ddp", 1, "h", 1, "fork").label(1)
+        '[rank1] '
+        """
+        return line_label(self.line_prefix, rank, rank - self.first_rank)
 
     def describe(self) -> str:
         machines = f", node {self.node_rank}" if self.world_size != self.num_processes else ""

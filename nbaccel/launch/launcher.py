@@ -9,11 +9,13 @@ the end, and rank 0's (or every rank's) return value is loaded in the kernel.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbaccel.core import shared_tensors
 from nbaccel.core.config import LaunchConfig
+from nbaccel.core.errors import RankFailedError
 from nbaccel.core.launch_state import LaunchState, RankState
 from nbaccel.launch import xla
 from nbaccel.launch.forkserver import ensure_server
@@ -31,9 +33,16 @@ def notebook_launcher(
     master_addr: str = "127.0.0.1",
     node_rank: int = 0,
     num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = UNSET,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+    *,
     start_method: str = "auto",
     timeout: float | None = None,
-    *,
     kwargs: dict[str, Any] | None = None,
     return_all: bool = False,
     config: LaunchConfig | None = None,
@@ -44,13 +53,20 @@ def notebook_launcher(
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` ranks and return rank 0's return value.
 
-    Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep its names and
-    meanings. ``num_processes=None`` means every visible GPU, else 1. Settings not given here
-    come from ``config``, else from the saved default config (``nbaccel.configure()``/
-    ``nbaccel config``). ``return_all=True`` returns every rank's value as a list. ``timeout``
-    (seconds) stops a launch that runs too long with a ``TimeoutError`` that shows where each
-    rank was. ``progress``: True (dashboard where widgets render, text elsewhere), "text", or
-    False. ``preload`` names modules the fork server imports once so ranks start with them.
+    Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep its names,
+    order and meanings. ``num_processes=None`` means every visible GPU, else 1. Settings not
+    given here come from ``config``, else from the saved default config (``nbaccel.configure()``/
+    ``nbaccel config``). ``max_restarts`` relaunches every rank after a rank fails, that many
+    times at most. ``log_line_prefix_template`` labels the ranks' lines in text output (torch
+    elastic's form: ``"[${rank}]: "``). The rendezvous is static (``rdzv_endpoint``,
+    ``rdzv_conf`` and ``rdzv_id`` only matter to elastic ones: ``nbaccel launch``), and the
+    ranks are followed by events, so ``monitor_interval`` changes nothing.
+
+    What nbaccel adds, as keywords: ``return_all=True`` returns every rank's value as a list.
+    ``timeout`` (seconds) stops a launch that runs too long with a ``TimeoutError`` that shows
+    where each rank was. ``progress``: True (dashboard where widgets render, text elsewhere),
+    "text", or False. ``preload`` names modules the fork server imports once so ranks start
+    with them. ``env`` adds (or, with None, removes) the ranks' environment variables.
 
     Example::
 
@@ -62,34 +78,91 @@ def notebook_launcher(
         nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)   # -> 0
     """
     __tracebackhide__ = True  # IPython leaves nbaccel's frames out of the notebook's traceback
+    return _launch(
+        function,
+        args,
+        kwargs,
+        view,
+        progress,
+        preload,
+        config=config,
+        num_processes=num_processes,
+        mixed_precision=mixed_precision,
+        start_method=start_method,
+        use_port=use_port,
+        master_addr=master_addr,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        timeout=timeout,
+        env=env,
+        return_all=return_all,
+        rdzv_backend=rdzv_backend,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        line_prefix=log_line_prefix_template,
+    )
+
+
+def debug_launcher(
+    function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2
+) -> Any:
+    """Run ``function(*args)`` on ``num_processes`` CPU processes, even where GPUs are visible:
+    a quick check that distributed code works (Accelerate's ``debug_launcher``).
+
+    Example::
+
+        nbaccel.debug_launcher(train, num_processes=2)
+    """
+    __tracebackhide__ = True
+    return _launch(function, args, None, None, True, (), num_processes=num_processes, cpu=True)
+
+
+def _launch(
+    function: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    view: View | None,
+    progress: bool | str,
+    preload: Sequence[str],
+    **options: Any,
+) -> Any:
+    """Plan (every check before anything starts), run (with restarts), load the results."""
+    __tracebackhide__ = True
     try:
-        plan = resolve_plan(
-            function,
-            args,
-            kwargs if kwargs is not None else {},
-            config=config,
-            num_processes=num_processes,
-            mixed_precision=mixed_precision,
-            start_method=start_method,
-            use_port=use_port,
-            master_addr=master_addr,
-            node_rank=node_rank,
-            num_nodes=num_nodes,
-            timeout=timeout,
-            env=env,
-            return_all=return_all,
-        )
+        plan = resolve_plan(function, args, kwargs if kwargs is not None else {}, **options)
     except (TypeError, ValueError, RuntimeError, OSError) as exc:
         if os.environ.get("NBACCEL_DEBUG"):
             raise
         _raise_short(exc)
     try:
-        payloads = run_plan(plan, view if view is not None else choose_view(progress), preload)
-        if return_all:
+        payloads = _run_with_restarts(plan, view, progress, preload)
+        if options.get("return_all"):
             return [load_payload(s.rank, payloads.get(s.rank)) for s in plan.specs]
-        return load_payload(0, payloads.get(0)) if node_rank == 0 else None
+        return load_payload(0, payloads.get(0)) if plan.info.node_rank == 0 else None
     finally:  # shared memory of arguments and of results that were never loaded
         shared_tensors.release(plan.specs[0].transfer if plan.specs else None)
+
+
+def _run_with_restarts(
+    plan: LaunchPlan, view: View | None, progress: bool | str, preload: Sequence[str]
+) -> dict[int, bytes | None]:
+    """``run_plan``, and again (all ranks, each attempt a fresh view) after a rank fails, up to
+    ``plan.max_restarts`` times; the last failure is raised."""
+    __tracebackhide__ = True
+    for attempt in range(plan.max_restarts + 1):
+        try:
+            return run_plan(plan, view if view is not None else choose_view(progress), preload)
+        except RankFailedError as exc:
+            if attempt == plan.max_restarts:
+                raise
+            what = exc.exc_type.rsplit(".", 1)[-1] if exc.exc_type else "it exited"
+            print(
+                f"nbaccel: rank {exc.rank} failed ({what}); restarting all "
+                f"{len(plan.specs)} ranks (restart {attempt + 1} of {plan.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 # Raise `exc` without nbaccel's frames below: bad input (plan.py, config, capabilities) or a

@@ -18,7 +18,7 @@ from typing import Any
 from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int
 from nbaccel.core.events import RankSpec
-from nbaccel.core.launch_state import LaunchInfo
+from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
 from nbaccel.launch import xla
 from nbaccel.launch.forkserver import resolve_start_method
 
@@ -31,6 +31,7 @@ class LaunchPlan:
     specs: list[RankSpec]
     timeout: float | None
     xla_threads: bool = False  # XLA devices as threads of one host process (launch.xla)
+    max_restarts: int = 0  # relaunches of the whole group after a rank fails
 
 
 def resolve_plan(
@@ -49,16 +50,23 @@ def resolve_plan(
     timeout: float | None = None,
     env: dict[str, str | None] | None = None,
     return_all: bool = False,
+    cpu: bool = False,
+    rdzv_backend: str = "static",
+    max_restarts: Any = UNSET,
+    monitor_interval: float = 0.1,
+    line_prefix: str | None = None,
 ) -> LaunchPlan:
     """Check the inputs and build the plan; nothing is started. The defaults are
-    ``notebook_launcher``'s: one machine, settings from the config or its default."""
+    ``notebook_launcher``'s: one machine, settings from the config or its default. ``cpu``
+    runs on CPU processes (gloo) even where GPUs are visible (``debug_launcher``)."""
     _refuse_nested_launch()
     if not callable(function):
         raise TypeError(
             f"function must be callable (the training function to run on every rank), "
             f"got {type(function).__name__}."
         )
-    cfg = _resolve_config(config, num_processes, mixed_precision, start_method)
+    _check_elastic_options(rdzv_backend, monitor_interval, line_prefix)
+    cfg = _resolve_config(config, num_processes, mixed_precision, start_method, max_restarts)
     nprocs = _resolve_num_processes(cfg.num_processes)
     check_int("node_rank", node_rank, 0)
     check_int("num_nodes", num_nodes, 1)
@@ -67,7 +75,9 @@ def resolve_plan(
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     method = check_start_method(resolve_start_method(cfg.start_method))
-    gpus = hardware.detect().gpus
+    gpus = () if cpu else hardware.detect().gpus
+    if cpu:
+        env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
     capabilities.check_precision(cfg.mixed_precision, gpus)
     capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
     port = _resolve_port(use_port, master_addr, node_rank, num_nodes)
@@ -86,6 +96,7 @@ def resolve_plan(
         master_addr=master_addr,
         master_port=port,
         start_method=method,
+        line_prefix=DEFAULT_LINE_PREFIX if line_prefix is None else line_prefix,
     )
     base_env = _worker_env(info, cfg, env)
     sources = pickling.notebook_sources()
@@ -112,7 +123,27 @@ def resolve_plan(
     ]
     # -- XLA (PJRT_DEVICE set, or a TPU host): ranks as PJRT expects them (nbaccel.launch.xla)
     info, specs, xla_threads = xla.adapt_plan(info, specs)
-    return LaunchPlan(info, specs, timeout, xla_threads)
+    return LaunchPlan(info, specs, timeout, xla_threads, cfg.max_restarts)
+
+
+def _check_elastic_options(rdzv_backend: Any, monitor_interval: Any, line_prefix: Any) -> None:
+    """Accelerate's torch-elastic options, as far as a notebook launch has them."""
+    if rdzv_backend != "static":
+        raise ValueError(
+            f"rdzv_backend={rdzv_backend!r}: notebook launches meet at master_addr:use_port "
+            "(a static rendezvous). For an elastic rendezvous across machines run the same "
+            f"function as a script: nbaccel launch --rdzv_backend {rdzv_backend} script.py "
+            "(nbaccel export writes the script)."
+        )
+    if isinstance(monitor_interval, bool) or not isinstance(monitor_interval, (int, float)):
+        raise TypeError(f"monitor_interval must be a number of seconds, got {monitor_interval!r}.")
+    if monitor_interval <= 0:
+        raise ValueError(f"monitor_interval must be positive, got {monitor_interval!r}.")
+    if line_prefix is not None and not isinstance(line_prefix, str):
+        raise TypeError(
+            "log_line_prefix_template must be a string such as '[${rank}]: ', got "
+            f"{type(line_prefix).__name__}."
+        )
 
 
 def _kernel_cwd() -> str | None:
@@ -166,7 +197,11 @@ def _refuse_nested_launch() -> None:
 
 
 def _resolve_config(
-    config: LaunchConfig | None, num_processes: Any, mixed_precision: Any, start_method: str
+    config: LaunchConfig | None,
+    num_processes: Any,
+    mixed_precision: Any,
+    start_method: str,
+    max_restarts: Any = UNSET,
 ) -> LaunchConfig:
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config must be a nbaccel.LaunchConfig, got {type(config).__name__}.")
@@ -178,6 +213,8 @@ def _resolve_config(
         changes["mixed_precision"] = mixed_precision
     if start_method != "auto":
         changes["start_method"] = start_method
+    if max_restarts is not UNSET:
+        changes["max_restarts"] = max_restarts
     return dataclasses.replace(base, **changes)  # LaunchConfig validates every field
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel.training import checkpoint, model_files, xla
+from nbaccel.training import checkpoint, model_files, utils_extra, xla
 
 
 class Saving:
@@ -91,12 +91,8 @@ class Saving:
         """
         if self.device.type == "xla":  # xm.save's way: tensors to the CPU, the main one writes
             obj = xla.to_cpu(obj)
-        if not self.is_main_process:
-            return
-        if safe_serialization:
-            model_files.save_safetensors(obj, f)
-        else:
-            checkpoint.atomic_save(obj, f)
+        if self.is_main_process:
+            utils_extra.write(obj, f, safe_serialization)
 
     def save_model(
         self,

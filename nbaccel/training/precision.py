@@ -55,7 +55,7 @@ class Precision:
         def forward(*args: Any, **kwargs: Any) -> Any:
             with self.forward_context(handler):
                 outputs = original(*args, **kwargs)
-            return outputs_to_fp32(outputs)
+            return convert_to_fp32(outputs)
 
         forward.__nbaccel_original__ = original
         module.forward = forward
@@ -84,16 +84,36 @@ class Precision:
         pass
 
 
-def outputs_to_fp32(outputs: Any) -> Any:
-    """``outputs`` with every float16/bfloat16 tensor in it (nested in lists, tuples, dicts)
-    converted to float32; other values unchanged.
+def convert_to_fp32(tensor: Any) -> Any:
+    """``tensor`` (or every tensor nested in lists, tuples, dicts) converted to float32 where it
+    is float16 or bfloat16; other values unchanged (Accelerate's name).
 
-    >>> outputs_to_fp32({"logits": torch.ones(2, dtype=torch.bfloat16), "n": 3})["logits"].dtype
+    >>> convert_to_fp32({"logits": torch.ones(2, dtype=torch.bfloat16), "n": 3})["logits"].dtype
     torch.float32
     """
     return recursively_apply(
-        lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, outputs
+        lambda t: t.float(),
+        tensor,
+        test_type=lambda v: (
+            isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16)
+        ),
     )
+
+
+def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a forward so its half-precision outputs come back in float32 (what a prepared
+    model's forward does under ``mixed_precision``).
+
+    >>> forward = convert_outputs_to_fp32(lambda x: x.bfloat16())
+    >>> forward(torch.ones(1)).dtype
+    torch.float32
+    """
+
+    @functools.wraps(model_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return convert_to_fp32(model_forward(*args, **kwargs))
+
+    return forward
 
 
 class AutocastPrecision(Precision):

@@ -11,13 +11,35 @@ values to the launching kernel's live dashboard from every rank.
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+from nbaccel.core import capabilities
 from nbaccel.rank import reporting
 from nbaccel.training.options import LoggerType
+
+
+def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a tracker method so it runs on the main process only, when the tracker's
+    ``main_process_only`` is True (Accelerate's decorator for custom trackers).
+
+    Example::
+
+        class Printer(GeneralTracker):
+            @on_main_process
+            def log(self, values, step=None, **kwargs): print(step, values)
+    """
+
+    @functools.wraps(function)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "main_process_only", False) and int(os.environ.get("RANK", "0") or 0):
+            return None
+        return function(self, *args, **kwargs)
+
+    return run
 
 
 class GeneralTracker:
@@ -239,7 +261,7 @@ TRACKERS: dict[str, type[GeneralTracker]] = {
 
 
 def _installed(name: str) -> bool:
-    return importlib.util.find_spec(TRACKERS[name].package) is not None
+    return capabilities.package_available(TRACKERS[name].package)
 
 
 def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[Any]:

@@ -255,7 +255,7 @@ def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None
     for rank, tail in sorted((outputs or {}).items()):
         if tail:
             lines.append(f"-- rank {rank} output (last {min(len(tail), TEXT_TAIL)} lines) --")
-            lines += [f"[rank{rank}] {line}" for line in tail[-TEXT_TAIL:]]
+            lines += [f"{state.info.label(rank)}{line}" for line in tail[-TEXT_TAIL:]]
     return "\n".join(lines)
 
 

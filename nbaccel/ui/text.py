@@ -66,8 +66,11 @@ class TextView:
             rest = _rest(shown, lines[0])
             lines = lines[1:] if rest is None else [rest, *lines[1:]]
         target = sys.stderr if stream == "stderr" else sys.stdout
-        label = f"[rank{rank}] "
+        label = self._label(rank)
         target.write("".join(f"{label}{line}\n" for line in lines))
+
+    def _label(self, rank: int) -> str:
+        return self._state.info.label(rank) if self._state is not None else f"[rank{rank}] "
 
     def partial(self, rank: int, stream: str, text: str) -> None:
         """The rank's unfinished line now ("" when there is none)."""
@@ -103,7 +106,7 @@ class TextView:
             text = " ".join(p for p in parts if p).strip()
             if self._printed_progress.get(rank.rank) != text:
                 self._printed_progress[rank.rank] = text
-                print(f"[rank{rank.rank}] progress: {text}", file=sys.stdout)
+                print(f"{self._label(rank.rank)}progress: {text}", file=sys.stdout)
         stall = stall_text(state)
         if stall and stall != self._stall_shown:
             self._stall_shown = stall
@@ -118,7 +121,7 @@ class TextView:
                 target = sys.stderr if stream == "stderr" else sys.stdout
                 line = text if shown is None else _rest(shown, text)
                 if line is not None:
-                    target.write(f"[rank{rank}] {line}\n")
+                    target.write(f"{self._label(rank)}{line}\n")
 
     def _print_settings(self) -> None:
         """Once: what the function's Accelerator set that differs from the opening line."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from nbaccel.training import availability  # only its table of names: it imports no package
+
 _T = "nbaccel.training."
 _LAZY = {
     **dict.fromkeys(
@@ -61,7 +63,20 @@ _LAZY = {
     **dict.fromkeys(["DistributedType"], _T + "state"),
     **dict.fromkeys(["PartialState", "AcceleratorState"], _T + "shared_state"),
     **dict.fromkeys(["GeneralTracker", "filter_trackers"], _T + "trackers"),
-    **dict.fromkeys(["extract_model_from_parallel", "wait_for_everyone"], _T + "utils_extra"),
+    **dict.fromkeys(
+        [
+            "concatenate",
+            "extract_model_from_parallel",
+            "patch_environment",
+            "save",
+            "tqdm",
+            "wait_for_everyone",
+            "write_basic_config",
+        ],
+        _T + "utils_extra",
+    ),
+    **dict.fromkeys(["convert_outputs_to_fp32", "convert_to_fp32"], _T + "precision"),
+    **dict.fromkeys(availability.NAMES, _T + "availability"),
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,13 @@
+"""Accelerate's ``accelerate.state`` path: ``PartialState``, ``AcceleratorState`` and
+``DistributedType`` (see :mod:`nbaccel.training.shared_state`). The gradient state is the
+Accelerator's own: read ``accelerator.gradient_state``.
+
+>>> from nbaccel.state import DistributedType, PartialState
+>>> DistributedType.MULTI_CPU.value
+'MULTI_CPU'
+"""
+
+from nbaccel.training.shared_state import AcceleratorState, PartialState
+from nbaccel.training.state import DistributedType
+
+__all__ = ["AcceleratorState", "DistributedType", "PartialState"]
