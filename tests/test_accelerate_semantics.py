@@ -118,3 +118,39 @@ def test_process_control_behaves_like_accelerate(lib, tmp_path):
     assert outs[0]["uneven"] == [[0, 1], [4]] and outs[1]["uneven"] == [[2, 3]]
     assert outs[0]["split"] == [[0, 1], [4, 5]] and outs[1]["split"] == [[2, 3], [6, 7]]
     assert outs[0]["skipped"] == [[8, 9]] and outs[1]["skipped"] == [[10, 11]]
+
+
+def loader_attributes(lib: str):
+    """What loops read from a prepared DataLoader besides its batches (DataLoaderShard's)."""
+    acc = _accelerator(lib)
+    dl = acc.prepare(DataLoader(TensorDataset(torch.arange(16)), batch_size=4))
+    ends = []
+    for _ in dl:
+        ends.append(dl.end_of_dataloader)
+    uneven = acc.prepare(DataLoader(TensorDataset(torch.arange(18)), batch_size=4))
+    return {
+        "uneven_remainder": [uneven.remainder for _ in uneven][-1],
+        "total_batch_size": dl.total_batch_size,
+        "total_dataset_length": dl.total_dataset_length,
+        "device": torch.device(dl.device).type,
+        "ends": ends,
+        "end_after_loop": dl.end_of_dataloader,
+        "remainder": dl.remainder,
+    }
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_prepared_loader_attributes_are_accelerates(lib):
+    outs = nbaccel.notebook_launcher(
+        loader_attributes, args=(lib,), num_processes=2, progress=False, return_all=True
+    )
+    for out in outs:
+        assert out == {
+            "total_batch_size": 8,
+            "total_dataset_length": 16,
+            "device": "cpu",
+            "ends": [False, True],
+            "end_after_loop": True,
+            "remainder": 0,
+            "uneven_remainder": 2,  # 18 samples in steps of 8: the last step has 2
+        }

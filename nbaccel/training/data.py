@@ -74,6 +74,35 @@ class PreparedDataLoader:
             self._generator = torch.Generator()
             self._loader = _rebuild(loader, self._sampler, self._generator)
         self.batch_size = self._sampler.per_rank if self._sampler else loader.batch_size
+        # Accelerate's DataLoaderShard state: whether the batch just yielded is the epoch's
+        # last, and how many samples the last step has over all ranks (-1: unknown).
+        self.end_of_dataloader, self.remainder = False, -1
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples per step over all ranks (``batch_size`` times the number of processes)."""
+        return None if self.batch_size is None else self.batch_size * self._state.num_processes
+
+    @property
+    def total_dataset_length(self) -> int | None:
+        """The dataset's length, over all ranks (None for a stream without a length)."""
+        try:
+            return len(self.original.dataset)
+        except TypeError:
+            return None
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where batches are placed (None without device placement)."""
+        return self._state.device if self._place else None
+
+    def _last_step_size(self) -> int:
+        """Samples in the epoch's last step over all ranks, 0 when steps divide the dataset
+        (Accelerate's ``remainder``); -1 with ``drop_last`` or an unknown length."""
+        length, total = self.total_dataset_length, self.total_batch_size
+        if length is None or not total or self.original.drop_last:
+            return -1
+        return length % total
 
     def __getattr__(self, name: str) -> Any:
         if name in ("original", "_loader"):
@@ -128,6 +157,7 @@ class PreparedDataLoader:
             mix = (self._sampler.seed * 1_000_003 + self.epoch) * 1009 + self._state.process_index
             self._generator.manual_seed(mix % 2**63)
         source = self._loader if self._sampler else self._dealt(self._skip)
+        self.end_of_dataloader, self.remainder = False, self._last_step_size()
         self.position, self._skip = self._skip, 0
         total = len(self) if self._sampler is not None else None
         for item in source:
@@ -138,6 +168,7 @@ class PreparedDataLoader:
             else:
                 batch, last, remainder = item
             self._gs.at_loader_end, self._gs.remainder = last, remainder
+            self.end_of_dataloader = last
             if self._place:
                 batch = ops.send_to_device(batch, self._state.device, self._non_blocking)
             if self._state.device.type == "xla":
