@@ -209,3 +209,42 @@ def test_an_unpicklable_return_value_is_named_with_its_type_and_what_to_do():
     assert "rank 0 returned a builtins.generator that cannot be sent to the kernel" in text
     assert "return_all" in text and "state_dict" in text
     assert "cloudpickle" not in text  # no pickling frames, only what the user needs
+
+
+def leaves_a_pool_open(directory: str) -> int:
+    """A notebook habit: a Pool kept on a global, never closed or joined."""
+    import multiprocessing
+
+    leaves_a_pool_open.pool = multiprocessing.Pool(2)
+    for child in multiprocessing.active_children():
+        record(directory, child.pid)
+    return sum(leaves_a_pool_open.pool.map(abs, range(-3, 3)))
+
+
+def test_a_pool_left_open_ends_with_the_rank_and_its_workers_are_gone(tmp_path):
+    # Killing its workers first left Pool's exit step waiting forever on their queue's lock.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LeftoverProcessesWarning)
+        result = nbaccel.notebook_launcher(
+            leaves_a_pool_open, args=(str(tmp_path),), num_processes=2, timeout=30
+        )
+    assert result == 9
+    assert len(list(tmp_path.glob("*.pid"))) == 4
+    assert wait_until_none_running(tmp_path) == []
+
+
+def exit_hook_never_returns() -> str:
+    import atexit
+    import threading
+
+    atexit.register(threading.Event().wait)  # waits forever
+    return "reported"
+
+
+def test_a_rank_whose_exit_hook_hangs_ends_at_the_exit_deadline(capfd):
+    result = nbaccel.notebook_launcher(
+        exit_hook_never_returns, num_processes=2, env={"NBACCEL_EXIT_DEADLINE": "2"}, timeout=30
+    )
+    assert result == "reported"
+    err = capfd.readouterr().err
+    assert "exit hooks are still waiting" in err and "threading.py" in err

@@ -146,6 +146,8 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
 
     code = run_job(spec)
+    exit.end_within(code)
+    exit.close_multiprocessing()
     _stop_leftovers(spec.rank)
     diag.flush()
     exit.leave(code)

@@ -18,9 +18,12 @@ teardown, where torch's process-group destructors can deadlock (see ``torch_fixe
 from __future__ import annotations
 
 import atexit
+import faulthandler
+import multiprocessing.util
 import os
 import pickle
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -76,6 +79,49 @@ def flush_output() -> None:
     c = libc.load()
     if c is not None:
         c.fflush(None)
+
+
+# How long a rank whose function has ended may spend ending (multiprocessing's finalisers,
+# stopping leftovers, exit hooks such as a tracker's final upload) before it ends without them;
+# $NBACCEL_EXIT_DEADLINE (seconds) changes it.
+EXIT_DEADLINE = 60.0
+
+
+def end_within(code: int, seconds: float | None = None) -> threading.Timer:
+    """Make sure this process ends with ``code`` within ``seconds`` from now, whatever its exit
+    hooks wait for: past the deadline the stacks are printed, with what happened, and the process
+    ends. Its result was reported already, so the launch still completes."""
+    if seconds is None:
+        seconds = float(os.environ.get("NBACCEL_EXIT_DEADLINE") or EXIT_DEADLINE)
+
+    def give_up() -> None:
+        try:
+            print(
+                f"nbaccel: this rank's function ended {seconds:.0f} s ago but its exit hooks are "
+                "still waiting (stacks below); it ends without them. A multiprocessing Queue or "
+                "child left open is the usual cause: close or join it in the function.",
+                file=sys.stderr,
+                flush=True,
+            )
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        finally:
+            flush_output()
+            os._exit(code)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def close_multiprocessing() -> None:
+    """Run multiprocessing's own first exit step now, while the processes it talks to still
+    live: a ``Pool`` left open is terminated the way interpreter exit does it. Run after its
+    workers were killed, that step waits forever for a lock a dead worker held."""
+    try:
+        multiprocessing.util._run_finalizers(0)
+    except Exception as exc:  # noqa: BLE001 - a failing finaliser must not change the outcome
+        print(f"nbaccel: a multiprocessing finaliser failed: {exc!r}", file=sys.stderr)
 
 
 def leave(code: int, run_atexit: bool = True) -> None:
