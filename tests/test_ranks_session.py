@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -131,3 +132,34 @@ def test_gpus_map_ranks_to_the_listed_devices_in_the_plan():
 def test_bad_timeout_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         nbaccel.Ranks(num_processes=2, timeout=-1)
+
+
+def _interrupt_once_ranks_exist(parent: int, stop: threading.Event, seen: list[int]) -> None:
+    """Send this process SIGINT as soon as its rank processes exist (while start() runs)."""
+    while not stop.is_set():
+        ranks = [
+            p.pid
+            for p in psutil.Process(parent).children(recursive=True)
+            if "nbaccel rank" in " ".join(p.cmdline())
+        ]
+        if ranks:
+            seen.extend(ranks)
+            os.kill(parent, signal.SIGINT)
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_interrupting_start_stops_the_ranks_and_says_so(delay):
+    stop, seen = threading.Event(), []
+    watcher = threading.Thread(
+        target=lambda: (time.sleep(delay), _interrupt_once_ranks_exist(os.getpid(), stop, seen))
+    )
+    watcher.start()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="start interrupted; the ranks that had"):
+            nbaccel.Ranks(num_processes=2, progress=False)
+    finally:
+        stop.set()
+        watcher.join()
+    assert seen and _gone(seen, timeout=5)

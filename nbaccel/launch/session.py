@@ -150,6 +150,13 @@ class Ranks:
             self._relay.register()
             self._connections = accept_ranks(server, self._relay)
             self._set_up()
+        except KeyboardInterrupt:
+            # Whatever phase it hit (a cell-interrupt message says the ranks live on), the
+            # start is abandoned: nothing of it is left.
+            self._shutdown(grace=0)
+            raise KeyboardInterrupt(
+                "%ranks start interrupted; the ranks that had started were stopped"
+            ) from None
         except BaseException:
             self._shutdown(grace=0)
             raise
