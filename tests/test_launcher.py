@@ -300,3 +300,27 @@ def launch_from_inside():
 def test_launching_from_inside_a_rank_is_refused():
     with pytest.raises(RankFailedError, match="called inside rank 0 of a running launch"):
         nbaccel.notebook_launcher(launch_from_inside, num_processes=1)
+
+
+def test_a_fork_server_that_stops_answering_is_stopped_after_ctrl_c():
+    """A hung server (here: SIGSTOPped) must not keep the caller in its read: Ctrl-C ends the
+    start 2 s later, the server is stopped, and the next launch gets a fresh one."""
+    import threading
+
+    from nbaccel.core import mp_internals
+
+    assert nbaccel.notebook_launcher(os.getpid, num_processes=1) != os.getpid()
+    hung = mp_internals.forkserver_pid()
+    os.kill(hung, signal.SIGSTOP)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt, match=f"fork server .pid {hung}. did not answer"):
+            nbaccel.notebook_launcher(os.getpid, num_processes=2)
+    finally:
+        timer.cancel()
+        if mp_internals.server_alive(hung):
+            os.kill(hung, signal.SIGKILL)
+    assert not mp_internals.server_alive(hung)
+    assert nbaccel.notebook_launcher(lambda: 7, num_processes=2) == 7
+    assert mp_internals.forkserver_pid() != hung

@@ -191,3 +191,61 @@ def helper_pids() -> set[int]:
     resource tracker multiprocessing starts beside it."""
     pids = {mp_internals.forkserver_pid(), mp_internals.resource_tracker_pid()}
     return {p for p in pids if p is not None}
+
+
+# A rank start is a few milliseconds of the server's time; one that takes this long, or this
+# long after Ctrl-C, means the server no longer answers.
+ANSWER_DEADLINE = 30.0
+ANSWER_DEADLINE_AFTER_INTERRUPT = 2.0
+
+
+class AnswerWatchdog:
+    """Stop the fork server when it does not answer the rank start in the block in time, so
+    the kernel is never stuck in a read from a hung server; ``reason`` then says what happened.
+
+    Example::
+
+        with sigint_deferred() as interrupted, AnswerWatchdog(interrupted) as watchdog:
+            process.start()            # returns, or fails once the server was stopped
+    """
+
+    def __init__(self, interrupted: list[bool], deadline: float = ANSWER_DEADLINE) -> None:
+        self.interrupted, self.deadline = interrupted, deadline
+        self.reason: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="nbaccel-server-watchdog")
+
+    def __enter__(self) -> AnswerWatchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        started, interrupted_at = time.monotonic(), None
+        while not self._done.wait(0.05):
+            now = time.monotonic()
+            if self.interrupted and interrupted_at is None:
+                interrupted_at = now
+            late = now - started > self.deadline
+            if (
+                interrupted_at is not None
+                and now - interrupted_at > ANSWER_DEADLINE_AFTER_INTERRUPT
+            ):
+                late, waited = True, f"{ANSWER_DEADLINE_AFTER_INTERRUPT:g} s after Ctrl-C"
+            else:
+                waited = f"{self.deadline:g} s"
+            pid = mp_internals.forkserver_pid()
+            if late and pid is not None:
+                self.reason = (
+                    f"the fork server (pid {pid}) did not answer a rank start within {waited}, "
+                    "so it was stopped (with any %ranks session it had started); the next "
+                    "launch starts a fresh one"
+                )
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+                return

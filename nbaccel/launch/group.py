@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from nbaccel.core import processes
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
@@ -92,19 +93,39 @@ class RankGroup:
             if self.start_method == "forkserver":
                 forkserver.wait_until_ready()
             for spec in self.specs:
-                with containment.sigint_deferred():
-                    self.ranks.append(self._start_one(ctx, spec))
-        except KeyboardInterrupt:
+                self._start_answered(ctx, spec)
+        except KeyboardInterrupt as exc:
             self.stop(grace=0)
             started = len(self.ranks)
+            why = str(exc).partition("launch interrupted: ")[2]  # e.g. a server that hung
             raise KeyboardInterrupt(
-                f"launch interrupted while starting ranks; the {started} started were stopped"
-                if started
-                else "launch interrupted before any rank started"
+                (
+                    f"launch interrupted while starting ranks; the {started} started were stopped"
+                    if started
+                    else "launch interrupted before any rank started"
+                )
+                + (f"; {why}" if why else "")
             ) from None
         except BaseException:
             self.stop(grace=0)
             raise
+
+    def _start_answered(self, ctx: Any, spec: RankSpec) -> None:
+        """Start one rank with Ctrl-C held back, stopping a fork server that does not answer."""
+        with containment.sigint_deferred() as interrupted:
+            if self.start_method != "forkserver":
+                self.ranks.append(self._start_one(ctx, spec))
+                return
+            with forkserver.AnswerWatchdog(interrupted) as watchdog:
+                try:
+                    self.ranks.append(self._start_one(ctx, spec))
+                except (OSError, EOFError):
+                    if watchdog.reason is None:
+                        raise
+            if watchdog.reason is not None:
+                if interrupted:
+                    raise KeyboardInterrupt(f"launch interrupted: {watchdog.reason}")
+                raise LaunchError(f"the launch could not start its ranks: {watchdog.reason}.")
 
     def _start_one(self, ctx: Any, spec: RankSpec) -> RankProcess:
         pipes = [ctx.Pipe(duplex=False) for _ in range(4)]
