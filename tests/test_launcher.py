@@ -324,3 +324,30 @@ def test_a_fork_server_that_stops_answering_is_stopped_after_ctrl_c():
     assert not mp_internals.server_alive(hung)
     assert nbaccel.notebook_launcher(lambda: 7, num_processes=2) == 7
     assert mp_internals.forkserver_pid() != hung
+
+
+def asks_for_input():
+    try:
+        input("fallback? ")
+    except EOFError:
+        fallback = "used"  # code that falls back on EOFError keeps working
+    return fallback, input("name? ")
+
+
+def test_input_in_a_rank_says_why_it_cannot_read():
+    with pytest.raises(RankFailedError, match="cannot read in a rank") as raised:
+        nbaccel.notebook_launcher(asks_for_input, num_processes=1)
+    assert raised.value.exc_type == "builtins.EOFError"
+    assert "args=(answer,)" in str(raised.value)
+
+
+def raises_a_huge_message():
+    raise ValueError("x" * 2_000_000)
+
+
+def test_a_huge_exception_message_is_cut_in_the_report_but_kept_in_the_exception():
+    with pytest.raises(RankFailedError) as raised:
+        nbaccel.notebook_launcher(raises_a_huge_message, num_processes=1)
+    assert len(str(raised.value)) < 50_000 and "1,990,000 more characters" in str(raised.value)
+    assert len(raised.value.remote_traceback) < 50_000
+    assert len(str(raised.value.original)) == 2_000_000

@@ -63,7 +63,7 @@ PROBE = textwrap.dedent(
         return {
             "kernel_side_modules": sorted(n for n in sys.modules if n.startswith(kernel_side)),
             "builtins": sorted(vars(builtins)),
-            "input": type(builtins.input).__name__,
+            "input": builtins.input.__module__,
             "own_hooks": [getattr(sys, h) is getattr(sys, f"__{h}__")
                           for h in ("displayhook", "excepthook", "breakpointhook")],
             "asyncio_run": asyncio.run(one()),
@@ -129,7 +129,7 @@ def test_a_rank_from_the_kernel_fork_is_a_rank_from_a_fresh_server(tmp_path):
     assert (kind, fresh_kind) == ("fork of the kernel", "fresh interpreter")
     for state in forked + fresh:
         assert state["kernel_side_modules"] == []
-        assert state["input"] == "builtin_function_or_method"  # not ipykernel's zmq input
+        assert state["input"] == "nbaccel.rank.process_setup"  # not ipykernel's zmq input
         assert state["own_hooks"] == [True, True, True]
         assert state["asyncio_run"] == 1  # no event loop "running" in the rank
         assert state["thread_imported_nbaccel"]

@@ -97,6 +97,7 @@ def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_
     containment.become_subreaper_session()  # every process the rank causes stays below it
     proctitle.set_title(f"nbaccel rank {spec.rank} of {spec.world_size}")
     process_setup.redirect_output(out_w.fileno(), err_w.fileno())
+    process_setup.refuse_keyboard_input()
     diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
     faulthandler.enable(file=diag, all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, file=diag, all_threads=True, chain=False)

@@ -63,10 +63,25 @@ def failure_event(
     return events.Failure(
         rank=rank,
         exc_type=f"{kind.__module__}.{kind.__qualname__}",
-        message=str(exc),
-        traceback=user_traceback(exc, is_plumbing),
+        message=shortened(str(exc)),
+        traceback="\n".join(map(shortened, user_traceback(exc, is_plumbing).split("\n"))),
         exception=pickled,
     )
+
+
+# Longer messages (a whole tensor or dataset printed into an exception) would flood the cell.
+MESSAGE_LIMIT = 10_000
+
+
+def shortened(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out.
+
+    >>> shortened("x" * 12, limit=5)
+    'xxxxx… (7 more characters)'
+    """
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit:,} more characters)"
 
 
 def flush_output() -> None:

@@ -6,6 +6,7 @@ calls it. Nothing here imports IPython or the views.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import io
 import multiprocessing
@@ -80,6 +81,21 @@ def redirect_output(out_fd: int, err_fd: int) -> None:
             c.setvbuf(c_stdout, None, 1, 0)  # _IOLBF
         except (ValueError, AttributeError):
             pass
+
+
+def refuse_keyboard_input() -> None:
+    """Make ``input()`` say why it cannot work in a rank (its stdin is empty: nobody types into
+    N processes) instead of a bare "EOF when reading a line"; still an ``EOFError``, so code that
+    falls back on one keeps working."""
+
+    def input(prompt: object = "") -> str:  # noqa: A001 - it replaces the builtin
+        raise EOFError(
+            f"input({prompt!r}) cannot read in a rank: ranks have no keyboard (their stdin is "
+            "empty). Ask in the notebook before the launch and pass the answer in, e.g. "
+            "notebook_launcher(train, args=(answer,))."
+        )
+
+    builtins.input = input
 
 
 def share_cpu_threads(local_world_size: int) -> None:
