@@ -110,6 +110,8 @@ UTILS = [
     "is_torch_xla_available",
     "is_tensorboard_available",
     "is_wandb_available",
+    "DummyOptim",
+    "DummyScheduler",
 ]
 
 

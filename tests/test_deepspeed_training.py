@@ -213,23 +213,48 @@ def variants(case: str) -> dict:
         plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True)
     else:
         plugin = DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu")
+    if case.startswith("dummy"):  # Accelerate's stand-ins for the config's optimizer/scheduler
+        optimizer = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}
+        optimizer["params"]["torch_adam"] = True
+        config = {"train_micro_batch_size_per_gpu": "auto", "optimizer": optimizer}
+        if case == "dummy_scheduler":
+            warmup = {"warmup_min_lr": 0, "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+            config["scheduler"] = {
+                "type": "WarmupLR",
+                "params": {**warmup, "warmup_type": "linear"},
+            }
+        plugin = DeepSpeedPlugin(hf_ds_config={**config, "zero_optimization": {"stage": 2}})
     acc = Accelerator(deepspeed_plugin=plugin)
     with plugin.zero3_init_context():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     local_numel = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.02)
-    model, opt, dl = acc.prepare(model, opt, dl)
-    losses = []
+    if case.startswith("dummy"):
+        from nbaccel.utils import DummyOptim, DummyScheduler
+
+        opt = DummyOptim(model.parameters(), lr=0.05, weight_decay=0.02)
+        if case == "dummy_scheduler":
+            sched = DummyScheduler(opt, warmup_num_steps=4)
+            model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+        else:
+            model, opt, dl = acc.prepare(model, opt, dl)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.02)
+        model, opt, dl = acc.prepare(model, opt, dl)
+    losses, lrs = [], []
     for xb, yb in dl:
         loss = F.mse_loss(model(xb), yb)
         acc.backward(loss)
         opt.step()
+        if case == "dummy_scheduler":
+            sched.step()  # a ported loop's call: the engine stepped it already
+            lrs.append(sched.get_last_lr()[0])
         opt.zero_grad()
         losses.append(loss.item())
     strategy = acc.prepared().strategy
     return {
         "losses": losses,
+        "lrs": lrs,
         "local_numel": local_numel,
         "optimizer": strategy.config.get("optimizer"),
         "offload": strategy.config["zero_optimization"].get("offload_optimizer"),
@@ -253,6 +278,33 @@ def test_user_json_zero3_init_and_cpu_offload_train_the_same():
     for case in ("zero3_init", "offload"):
         assert r[case]["losses"] == pytest.approx(r["json"]["losses"], abs=TOL)
     assert r["json"]["losses"][-1] < r["json"]["losses"][0]
+
+
+@pytest.mark.slow
+def test_dummy_optim_and_scheduler_stand_for_the_configs_own():
+    def cases() -> dict:
+        return {case: variants(case) for case in ("json", "dummy_optim", "dummy_scheduler")}
+
+    r = nbaccel.notebook_launcher(cases, num_processes=2, progress=False)
+    # DummyOptim's lr and weight_decay filled the config's "auto"s: the same run as the JSON's.
+    assert r["dummy_optim"]["optimizer"] == r["json"]["optimizer"]
+    assert r["dummy_optim"]["losses"] == pytest.approx(r["json"]["losses"], abs=TOL)
+    # The config's WarmupLR took warmup_num_steps=4 from DummyScheduler, lr from DummyOptim.
+    # (linear warmup from 0 to 0.05 in 4 steps: +0.0125 per step, as the engine steps it)
+    lrs = r["dummy_scheduler"]["lrs"]
+    assert [b - a for a, b in zip(lrs, lrs[1:])] == pytest.approx([0.0125] * 3), lrs
+    assert 0 <= lrs[0] and lrs[-1] <= 0.05
+
+
+def test_stand_ins_need_deepspeed_and_their_config_section():
+    from nbaccel import Accelerator
+    from nbaccel.utils import DummyOptim
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="does not use DeepSpeed"):
+        Accelerator(cpu=True).prepare(model, DummyOptim(model.parameters()))
+    with pytest.raises(RuntimeError, match="only stands for what the DeepSpeed config defines"):
+        DummyOptim(model.parameters()).step()
 
 
 SCRIPT = textwrap.dedent(

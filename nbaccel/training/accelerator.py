@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import reporting
-from nbaccel.training import data
+from nbaccel.training import data, deepspeed_dummies
 from nbaccel.training.accelerator_options import resolve_options
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.accelerator_saving import Saving
@@ -250,6 +250,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"prepare() argument {i} ({type(obj).__name__}) was already prepared; pass "
                     "the original object only once and keep using what prepare() returned."
                 )
+        if self._strategy.name != "deepspeed":
+            deepspeed_dummies.refuse_stand_ins(args)
         if self._strategy.name == "deepspeed":  # one engine takes model + optimizer + scheduler
             out = self._strategy.prepare_all(self, list(args), device_placement)
             return out[0] if len(out) == 1 else tuple(out)

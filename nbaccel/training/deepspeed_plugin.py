@@ -218,6 +218,7 @@ def fill_auto(
     mixed_precision: str,
     gradient_clipping: float | None,
     optimizer: Any = None,
+    scheduler: Any = None,
 ) -> dict[str, Any]:
     """A copy of ``config`` with its ``"auto"`` values filled and ``mixed_precision`` mapped to
     the ``bf16``/``fp16`` sections; raises ValueError naming any ``"auto"`` it cannot fill.
@@ -256,9 +257,12 @@ def fill_auto(
             if params.get(key) == "auto" and key in group:
                 value = group[key]
                 params[key] = list(value) if isinstance(value, tuple) else float(value)
-    scheduler = out.get("scheduler", {}).get("params", {})
-    if optimizer is not None and scheduler.get("warmup_max_lr") == "auto":
-        scheduler["warmup_max_lr"] = float(optimizer.param_groups[0]["lr"])
+    schedule = out.get("scheduler", {}).get("params", {})
+    if optimizer is not None and schedule.get("warmup_max_lr") == "auto":
+        schedule["warmup_max_lr"] = float(optimizer.param_groups[0]["lr"])
+    for key in ("warmup_num_steps", "total_num_steps"):  # from a DummyScheduler
+        if schedule.get(key) == "auto" and getattr(scheduler, key, None) is not None:
+            schedule[key] = int(getattr(scheduler, key))
     left = _autos(out)
     if left:
         raise ValueError(

@@ -60,6 +60,7 @@ _LAZY = {
     **dict.fromkeys(["skip_first_batches"], _T + "data"),
     **dict.fromkeys(["FullyShardedDataParallelPlugin"], _T + "fsdp_plugin"),
     **dict.fromkeys(["DeepSpeedPlugin"], _T + "deepspeed_plugin"),
+    **dict.fromkeys(["DummyOptim", "DummyScheduler"], _T + "deepspeed_dummies"),
     **dict.fromkeys(["DistributedType"], _T + "state"),
     **dict.fromkeys(["PartialState", "AcceleratorState"], _T + "shared_state"),
     **dict.fromkeys(["GeneralTracker", "filter_trackers"], _T + "trackers"),

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from nbaccel.training.deepspeed_dummies import DummyOptim, DummyScheduler, EngineScheduler
 from nbaccel.training.deepspeed_plugin import (
     DeepSpeedPlugin,
     fill_auto,
@@ -94,7 +95,7 @@ class DeepSpeedStrategy(Strategy):
             for kind, cls in (
                 ("model", torch.nn.Module),
                 ("optimizer", torch.optim.Optimizer),
-                ("scheduler", torch.optim.lr_scheduler.LRScheduler),
+                ("scheduler", (torch.optim.lr_scheduler.LRScheduler, DummyScheduler)),
                 ("loader", DataLoader),
             )
         }
@@ -128,7 +129,9 @@ class DeepSpeedStrategy(Strategy):
             opt = DeepSpeedOptimizer(self.engine, acc._gs)
             out[kinds["optimizer"][0]] = opt
             acc._optimizers.append(opt)
-        if scheduler is not None:
+        if isinstance(scheduler, DummyScheduler):
+            out[kinds["scheduler"][0]] = EngineScheduler(self.engine)  # the engine steps it
+        elif scheduler is not None:
             # Stepped like every prepared scheduler (N times per optimizer step on N ranks,
             # not on skipped steps), so a schedule runs as under DDP; saved by save_state.
             out[kinds["scheduler"][0]] = acc.prepare_scheduler(scheduler)
@@ -156,8 +159,12 @@ class DeepSpeedStrategy(Strategy):
             mixed_precision=self.mixed_precision,
             gradient_clipping=self.plugin.gradient_clipping,
             optimizer=optimizer,
+            scheduler=scheduler if isinstance(scheduler, DummyScheduler) else None,
         )
+        _check_stand_ins(filled, optimizer, scheduler)
         kwargs: dict[str, Any] = {"model": model, "config": filled}
+        if isinstance(scheduler, DummyScheduler) and "scheduler" not in filled:
+            kwargs["lr_scheduler"] = scheduler.lr_scheduler_callable  # called with the optimizer
         if optimizer is not None and "optimizer" in filled:
             # The config's optimizer type over the torch optimizer's parameter groups.
             kwargs["model_parameters"] = optimizer.param_groups
@@ -167,7 +174,7 @@ class DeepSpeedStrategy(Strategy):
             # compiled op (~75 s JIT build); pass that optimizer yourself to get its speed.
             filled.setdefault("zero_force_ds_cpu_optimizer", False)
             kwargs["optimizer"] = optimizer
-        if scheduler is not None and "scheduler" in filled:
+        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and "scheduler" in filled:
             raise ValueError(
                 "the DeepSpeed config has a 'scheduler' section and a torch scheduler was "
                 "passed to prepare(); keep one of them."
@@ -242,3 +249,23 @@ class DeepSpeedStrategy(Strategy):
                 "first."
             )
         return self.engine
+
+
+def _check_stand_ins(config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
+    """A DummyOptim/DummyScheduler needs the config section (or callable) it stands for."""
+    if isinstance(optimizer, DummyOptim) and "optimizer" not in config:
+        raise ValueError(
+            "DummyOptim stands for the DeepSpeed config's optimizer, but the config has no "
+            "'optimizer' section: add one ({'type': 'AdamW', 'params': {'lr': 'auto'}}) or pass "
+            "a torch optimizer."
+        )
+    if (
+        isinstance(scheduler, DummyScheduler)
+        and "scheduler" not in config
+        and scheduler.lr_scheduler_callable is None
+    ):
+        raise ValueError(
+            "DummyScheduler stands for the DeepSpeed config's scheduler, but the config has no "
+            "'scheduler' section: add one, give DummyScheduler(lr_scheduler_callable=...), or "
+            "pass a torch scheduler."
+        )
