@@ -236,6 +236,10 @@ def variants(case: str) -> dict:
         if case == "dummy_scheduler":
             sched = DummyScheduler(opt, warmup_num_steps=4)
             model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+        elif case == "dummy_callable":  # no scheduler section: the engine calls this instead
+            halve = lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)  # noqa: E731
+            sched = DummyScheduler(opt, lr_scheduler_callable=halve)
+            model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
         else:
             model, opt, dl = acc.prepare(model, opt, dl)
     else:
@@ -246,7 +250,7 @@ def variants(case: str) -> dict:
         loss = F.mse_loss(model(xb), yb)
         acc.backward(loss)
         opt.step()
-        if case == "dummy_scheduler":
+        if case in ("dummy_scheduler", "dummy_callable"):
             sched.step()  # a ported loop's call: the engine stepped it already
             lrs.append(sched.get_last_lr()[0])
         opt.zero_grad()
@@ -283,7 +287,8 @@ def test_user_json_zero3_init_and_cpu_offload_train_the_same():
 @pytest.mark.slow
 def test_dummy_optim_and_scheduler_stand_for_the_configs_own():
     def cases() -> dict:
-        return {case: variants(case) for case in ("json", "dummy_optim", "dummy_scheduler")}
+        cases = ("json", "dummy_optim", "dummy_scheduler", "dummy_callable")
+        return {case: variants(case) for case in cases}
 
     r = nbaccel.notebook_launcher(cases, num_processes=2, progress=False)
     # DummyOptim's lr and weight_decay filled the config's "auto"s: the same run as the JSON's.
@@ -293,7 +298,8 @@ def test_dummy_optim_and_scheduler_stand_for_the_configs_own():
     # (linear warmup from 0 to 0.05 in 4 steps: +0.0125 per step, as the engine steps it)
     lrs = r["dummy_scheduler"]["lrs"]
     assert [b - a for a, b in zip(lrs, lrs[1:])] == pytest.approx([0.0125] * 3), lrs
-    assert 0 <= lrs[0] and lrs[-1] <= 0.05
+    assert lrs[0] >= 0 and lrs[-1] <= 0.05
+    assert r["dummy_callable"]["lrs"] == pytest.approx([0.025, 0.0125, 0.00625, 0.003125])
 
 
 def test_stand_ins_need_deepspeed_and_their_config_section():
