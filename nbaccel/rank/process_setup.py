@@ -89,6 +89,8 @@ def refuse_keyboard_input() -> None:
     falls back on one keeps working."""
 
     def input(prompt: object = "") -> str:  # noqa: A001 - it replaces the builtin
+        sys.stdout.write(str(prompt))  # the prompt still shows, as with the builtin
+        sys.stdout.flush()
         raise EOFError(
             f"input({prompt!r}) cannot read in a rank: ranks have no keyboard (their stdin is "
             "empty). Ask in the notebook before the launch and pass the answer in, e.g. "
