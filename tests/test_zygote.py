@@ -26,6 +26,7 @@ BEFORE = (
     "import torch, tqdm.auto\n"
     "USER_SECRET = 42\n"
     "torch.set_default_dtype(torch.float64)\ntorch.set_grad_enabled(False)\n"
+    "torch.use_deterministic_algorithms(True)\n"
     "_child = multiprocessing.Process(target=time.sleep, args=(300,), daemon=True)\n"
     "_child.start()\n"
     "atexit.register(pathlib.Path(os.environ['PROBE_DIR'], 'kernel-hook-ran').touch)\n"
@@ -76,7 +77,11 @@ PROBE = textwrap.dedent(
             "main_names": sorted(n for n in vars(sys.modules["__main__"]) if n[:1] != "_"),
             "tqdm_auto": tqdm.auto.tqdm.__module__,
             "getpass": getpass.getpass.__module__,  # not ipykernel's (it waits on zmq)
-            "torch_modes": [torch.is_grad_enabled(), str(torch.get_default_dtype())],
+            "torch_modes": [
+                torch.is_grad_enabled(),
+                str(torch.get_default_dtype()),
+                torch.are_deterministic_algorithms_enabled(),
+            ],
             "title": open("/proc/self/cmdline").read().split("\\0")[0],
         }
     """
@@ -137,7 +142,7 @@ def test_a_rank_from_the_kernel_fork_is_a_rank_from_a_fresh_server(tmp_path):
         assert not state["tqdm_auto"].startswith("tqdm.notebook")  # no widget bars in a rank
         assert state["title"].startswith("nbaccel rank ")
         assert state["getpass"] == "getpass"
-        assert state["torch_modes"] == [True, "torch.float32"]  # as `import torch` leaves them
+        assert state["torch_modes"] == [True, "torch.float32", False]  # as `import torch` does
     for forked_rank, fresh_rank in zip(forked, fresh):
         # a fresh server leaves one /dev/null open (its stdin) that the fork does not
         assert forked_rank.pop("open_fds") <= fresh_rank.pop("open_fds")

@@ -193,21 +193,40 @@ def fresh_logging(kernel_streams: list[Any]) -> None:
 
 def fresh_torch_modes() -> None:
     """torch's global modes as ``import torch`` leaves them (a kernel's ``set_grad_enabled(False)``
-    or ``set_default_dtype(float64)`` before ``import nbaccel`` would reach every rank)."""
+    or ``set_default_dtype(float64)`` before ``import nbaccel`` would reach every rank).
+
+    Each is reset only where the kernel changed it: ``use_deterministic_algorithms`` imports
+    ``torch._dynamo`` (0.7 s), which the preload then imports faster (collector paused)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    resets = (
-        lambda: torch.set_grad_enabled(True),
-        lambda: torch.set_default_dtype(torch.float32),
-        lambda: torch.set_default_device(None),
-        lambda: torch.autograd.set_detect_anomaly(False),
-        lambda: torch.use_deterministic_algorithms(False),
-        lambda: torch.set_float32_matmul_precision("highest"),
+    resets = (  # (is it as import torch leaves it?, put it back)
+        (torch.is_grad_enabled, lambda: torch.set_grad_enabled(True)),
+        (
+            lambda: torch.get_default_dtype() == torch.float32,
+            lambda: torch.set_default_dtype(torch.float32),
+        ),
+        (
+            lambda: torch.get_default_device() == torch.device("cpu"),
+            lambda: torch.set_default_device(None),
+        ),
+        (
+            lambda: not torch.is_anomaly_enabled(),
+            lambda: torch.autograd.set_detect_anomaly(False),
+        ),
+        (
+            lambda: not torch.are_deterministic_algorithms_enabled(),
+            lambda: torch.use_deterministic_algorithms(False),
+        ),
+        (
+            lambda: torch.get_float32_matmul_precision() == "highest",
+            lambda: torch.set_float32_matmul_precision("highest"),
+        ),
     )
-    for reset in resets:
+    for is_default, reset in resets:
         try:
-            reset()
+            if not is_default():
+                reset()
         except (AttributeError, RuntimeError, TypeError):
             pass  # an older torch without that setting
 
