@@ -211,6 +211,33 @@ def test_state_classes():
         assert hasattr(PartialState, name) and hasattr(ours, name), name
 
 
+@pytest.mark.parametrize("cls", ["PartialState", "AcceleratorState"])
+def test_state_classes_have_accelerates_public_names(cls):
+    theirs = getattr(accelerate.state, cls)
+    missing = [
+        n for n in dir(theirs) if not n.startswith("_") and not hasattr(getattr(nbaccel, cls), n)
+    ]
+    assert not missing, f"nbaccel.{cls} lacks {missing}"
+
+
+def test_ddp_kwargs_register_a_comm_hook_on_a_model_wrapped_by_hand():
+    import torch
+    import torch.distributed as dist
+
+    from nbaccel.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        kwargs = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
+        kwargs.register_comm_hook(model)
+        model(torch.ones(1, 2)).sum().backward()  # the hook ran on the gradient bucket
+        assert model._get_ddp_logging_data().get("comm_hook") == "fp16_compress_hook"
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name", UTILS)
 def test_utils_names(name):
     import accelerate.utils

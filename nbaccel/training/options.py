@@ -72,6 +72,13 @@ class DistributedDataParallelKwargs(KwargsHandler):
         hooks = ("comm_hook", "comm_wrapper", "comm_state_option")
         return {k: v for k, v in self.to_kwargs().items() if k not in hooks}
 
+    def register_comm_hook(self, model: Any) -> None:
+        """Register ``comm_hook`` (wrapped in ``comm_wrapper``) on a DDP ``model``, as
+        ``prepare`` does (for a model you wrapped in DistributedDataParallel yourself)."""
+        from nbaccel.training.strategies.ddp import register_comm_hook
+
+        register_comm_hook(model, self)
+
 
 @dataclasses.dataclass
 class GradScalerKwargs(KwargsHandler):

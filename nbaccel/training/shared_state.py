@@ -16,6 +16,7 @@ import os
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from nbaccel.core import xla_runtime
@@ -110,6 +111,23 @@ class PartialState(ProcessControl):
             DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
         )
 
+    @property
+    def default_device(self) -> torch.device:
+        """The device this machine would train on: the first GPU (CUDA, XPU, MPS), else CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if hasattr(torch, "xpu") and torch.xpu.is_available():
+            return torch.device("xpu")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+
+    def set_device(self) -> None:
+        """Make this process's device the current one of its kind (``torch.cuda.set_device``);
+        nothing to do on CPU. nbaccel's ranks already start this way."""
+        if self.device.type in ("cuda", "xpu") and self.device.index is not None:
+            getattr(torch, self.device.type).set_device(self.device)
+
     def destroy_process_group(self, group: Any = None) -> None:
         """Tear the process group down (the launcher also does it when the function returns)."""
         if dist.is_initialized():
@@ -134,6 +152,22 @@ class AcceleratorState(PartialState):
     strategy = property(lambda self: _SHARED.get("strategy", "ddp"))
     fsdp_plugin = property(lambda self: _SHARED.get("fsdp_plugin"))
     deepspeed_plugin = property(lambda self: _SHARED.get("deepspeed_plugin"))
+
+    is_fsdp2 = property(lambda self: self.strategy == "fsdp", doc="nbaccel's FSDP is FSDP2.")
+    fork_launched = property(lambda self: False, doc="Ranks come from a fork server, not fork.")
+
+    def get_deepspeed_plugin(self, name: str | None = None) -> Any:
+        """The DeepSpeedPlugin in use (nbaccel takes one per Accelerator)."""
+        if name is not None:
+            raise ValueError(
+                f"get_deepspeed_plugin({name!r}): nbaccel takes one DeepSpeedPlugin per "
+                "Accelerator, not a dict of named ones; call it without a name."
+            )
+        return self.deepspeed_plugin
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        """Accelerate's switch between named DeepSpeed plugins; nbaccel has the one."""
+        self.get_deepspeed_plugin(name)
 
     @property
     def distributed_type(self) -> DistributedType:

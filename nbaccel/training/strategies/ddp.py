@@ -36,7 +36,7 @@ class DDPStrategy(Strategy):
         kwargs = handler.ddp_kwargs() if handler is not None else {}
         wrapped = DistributedDataParallel(module, device_ids=device_ids, **kwargs)
         if handler is not None:
-            _register_comm_hook(wrapped, handler)
+            register_comm_hook(wrapped, handler)
         return wrapped
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -59,7 +59,7 @@ class DDPStrategy(Strategy):
         self.unwrap(module).load_state_dict(state)
 
 
-def _register_comm_hook(model: DistributedDataParallel, handler: Any) -> None:
+def register_comm_hook(model: DistributedDataParallel, handler: Any) -> None:
     """DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...) as Accelerate applies it:
     compress gradients to fp16/bf16, or PowerSGD, optionally wrapped in an fp16/bf16 cast."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
