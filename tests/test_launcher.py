@@ -351,3 +351,15 @@ def test_a_huge_exception_message_is_cut_in_the_report_but_kept_in_the_exception
     assert len(str(raised.value)) < 50_000 and "1,990,000 more characters" in str(raised.value)
     assert len(raised.value.remote_traceback) < 50_000
     assert len(str(raised.value.original)) == 2_000_000
+
+
+def kills_the_fork_server():
+    if os.environ["RANK"] == "1":
+        os.kill(os.getppid(), signal.SIGKILL)  # a rank's parent is the fork server
+    time.sleep(30)
+
+
+def test_a_fork_server_dying_mid_launch_is_named_as_the_cause():
+    with pytest.raises(RankFailedError, match="ended when its fork server died"):
+        nbaccel.notebook_launcher(kills_the_fork_server, num_processes=2, timeout=20)
+    assert nbaccel.notebook_launcher(lambda: 3, num_processes=2) == 3  # a fresh server

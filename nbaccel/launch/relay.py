@@ -17,7 +17,7 @@ import time
 import warnings
 from typing import Any
 
-from nbaccel.core import events
+from nbaccel.core import events, mp_internals
 from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
@@ -233,6 +233,9 @@ class Relay:
             rank.status = Status.STOPPED
         else:
             what = describe_exit(code) if code != 0 else "exited without reporting a result"
+            if code == 255 and self.group.start_method == "forkserver" and _server_gone():
+                # multiprocessing's stand-in status: the server that reports it is gone
+                what = "ended when its fork server died (its own exit status is unknown)"
             crash = root_cause.without_plumbing(rank.diag.strip())
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self._record_failure(r.rank, error, what)
@@ -320,3 +323,9 @@ def load_payload(rank: int, payload: bytes | None) -> Any:
             "Return plain data, tensors or a state_dict, or make the value's class importable "
             "in the kernel."
         ) from exc
+
+
+def _server_gone() -> bool:
+    """Whether the fork server this process started has died."""
+    pid = mp_internals.forkserver_pid()
+    return pid is not None and not mp_internals.server_alive(pid)
