@@ -321,6 +321,9 @@ def test_a_fork_server_that_stops_answering_is_stopped_after_ctrl_c():
         timer.cancel()
         if mp_internals.server_alive(hung):
             os.kill(hung, signal.SIGKILL)
+    deadline = time.monotonic() + 5  # its sockets close before it is a zombie
+    while mp_internals.server_alive(hung) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not mp_internals.server_alive(hung)
     assert nbaccel.notebook_launcher(lambda: 7, num_processes=2) == 7
     assert mp_internals.forkserver_pid() != hung

@@ -325,7 +325,13 @@ def load_payload(rank: int, payload: bytes | None) -> Any:
         ) from exc
 
 
-def _server_gone() -> bool:
-    """Whether the fork server this process started has died."""
+def _server_gone(wait: float = 1.0) -> bool:
+    """Whether the fork server this process started has died (its sockets close before it is
+    a zombie, so its rank's end can arrive first: give it ``wait`` seconds)."""
     pid = mp_internals.forkserver_pid()
-    return pid is not None and not mp_internals.server_alive(pid)
+    deadline = time.monotonic() + wait
+    while pid is not None and mp_internals.server_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return pid is not None
