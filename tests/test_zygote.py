@@ -211,3 +211,15 @@ def test_a_module_that_defined_torch_operators_before_import_still_works_in_rank
             "    return float(torch.ops.nbaccel_zygote_test.twice(torch.ones(1)))"
         )
         assert launched(kernel, twice, "nbaccel.notebook_launcher(twice, num_processes=2)") == 2.0
+
+
+def test_a_failed_magic_before_import_leaves_the_zygote_working():
+    # The failed cell leaves sys.last_type = IPython's UsageError in the kernel.
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import torch") as kernel:
+        kernel.execute("%nosuchmagic")  # IPython reports it (UsageError) without raising
+        assert value(kernel, "import sys\nsys.last_type.__module__").startswith("IPython")
+        assert kernel.execute("import nbaccel").error is None
+        pid = value(kernel, "import nbaccel.core.mp_internals as _mp\n_mp.forkserver_pid()")
+        assert value(kernel, "nbaccel.notebook_launcher(lambda: 4, num_processes=2)") == 4
+        assert server_kind(kernel) == "fork of the kernel"
+        assert value(kernel, "_mp.forkserver_pid()") == pid  # the same zygote served it

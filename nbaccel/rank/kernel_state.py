@@ -124,6 +124,13 @@ def _defined_outside_builtins(value: Any) -> bool:
     return module not in (None, "builtins", "_sitebuiltins")
 
 
+def fresh_sys_state() -> None:
+    """Forget the kernel's last exception (``sys.last_type``... of a failed cell): it holds
+    IPython's classes and frames, which a fresh interpreter would not have."""
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        sys.__dict__.pop(name, None)
+
+
 def fresh_exit_hooks() -> None:
     """Run at a rank's exit only what a fresh interpreter would run there.
 

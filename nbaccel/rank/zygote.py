@@ -147,6 +147,7 @@ def become_fresh(keep_fds: tuple[int, ...]) -> None:
     kernel_streams = state.fresh_streams_and_hooks()
     state.fresh_signals()
     state.fresh_builtins()
+    state.fresh_sys_state()
     state.fresh_exit_hooks()
     state.fresh_asyncio()
     state.fresh_multiprocessing()
@@ -239,8 +240,8 @@ def _kept_but_the_kernels(forget: set[str]) -> set[str]:
     owned = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
     anew = set()
     for name, module in list(sys.modules.items()):
-        if name in forget or module is None:
-            continue
+        if name in forget or module is None or name in ("sys", "builtins"):
+            continue  # (those two are reset in place: kernel_state.fresh_builtins/_sys_state)
         for value in list(vars(module).values()):
             kind = type(value)
             if issubclass(kind, types.ModuleType):  # type(), not isinstance: see below
