@@ -70,7 +70,7 @@ def test_script_shape(tmp_path):
     assert "# !echo from-the-shell  # (shell escape" in text
     assert "notebook only" not in text
     assert "# Training" not in text  # markdown cells are not code
-    assert "return train(*(5,), **{})" in text
+    assert "return (train)(*(5,), **{})" in text
     assert "return nbaccel.notebook_launcher(train, args=(5,), num_processes=2)" in text
     assert re.search(r'if __name__ == "__main__":\n    result = _nbaccel_main\(\)', text)
     assert text.index("def train") < text.index("_nbaccel_main") < text.index("final loss")
@@ -96,7 +96,7 @@ def test_from_import_form_and_other_magics(tmp_path):
     assert "# %matplotlib inline" in text and "# %%bash" in text and "# echo hi" in text
     assert "\nx = 1\n" in text and "# files = !ls" in text and "# x?" in text
     assert "y = (1\n     % 1)" in text
-    assert "return fit(*(1,), **{'b': 3})" in text
+    assert "return (fit)(*(1,), **{'b': 3})" in text
     assert "    _nbaccel_main()" in text
 
 
@@ -106,7 +106,7 @@ def test_refusals(tmp_path):
     with pytest.raises(ExportError, match="no notebook_launcher"):
         notebook_to_script(no_call)
     text = notebook_to_script(no_call, function="train")
-    assert "return train(*(), **{})" in text
+    assert "return (train)(*(), **{})" in text
     assert "nbaccel.notebook_launcher(train, **_nbaccel_flags())" in text
     ast.parse(text)
 
@@ -263,3 +263,26 @@ def test_skip_export_config_becomes_flags_and_plain_python_runs(tmp_path):
     )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "2 processes" in ran.stdout and "final loss" in ran.stdout
+
+
+def test_a_lambda_launched_in_the_notebook_is_called_by_each_rank(tmp_path):
+    # Pasted bare, `lambda: train(3)(*(), **{})` returned a new lambda: nothing trained.
+    nb = make_notebook(
+        tmp_path / "lam.ipynb",
+        "result = nbaccel.notebook_launcher(lambda: train(3), num_processes=2)",
+        magics=False,
+    )
+    assert run_cli("export", str(nb), "-o", "lam.py", cwd=tmp_path).returncode == 0
+    launched = run_cli("launch", "--num_processes", "2", "lam.py", cwd=tmp_path)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert "[rank0] final loss" in launched.stdout and "[rank1] final loss" in launched.stdout
+
+
+def test_the_notebook_itself_is_never_the_output_and_a_folder_takes_the_script(tmp_path):
+    nb = make_notebook(tmp_path / "keep.ipynb", "result = nbaccel.notebook_launcher(train)")
+    before = nb.read_bytes()
+    with pytest.raises(ExportError, match="is the notebook itself"):
+        export_notebook(nb, nb, force=True)
+    assert nb.read_bytes() == before
+    (tmp_path / "out").mkdir()
+    assert export_notebook(nb, tmp_path / "out") == tmp_path / "out" / "keep.py"

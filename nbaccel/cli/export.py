@@ -160,7 +160,7 @@ def main_guard(
 
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
                 # Started by `nbaccel launch` or torchrun: this process is one rank.
-                return {function}(*{args}, **{kwargs})
+                return ({function})(*{args}, **{kwargs})
             # Plain `python script.py`: start the ranks as the notebook did.
             {plain}
 
@@ -378,6 +378,13 @@ def export_notebook(
     """
     text = notebook_to_script(notebook, function)
     target = Path(output) if output else Path(notebook).with_suffix(".py")
+    if target.is_dir():  # an existing folder: the script goes inside it
+        target = target / Path(notebook).with_suffix(".py").name
+    if target.exists() and target.resolve() == Path(notebook).resolve():
+        raise ExportError(
+            f"-o {output} is the notebook itself; the script would replace it. Choose another "
+            f"name, e.g. -o {Path(notebook).with_suffix('.py').name}."
+        )
     if target.exists() and not force:
         head = target.read_text(encoding="utf-8", errors="replace")[:300]
         if _MARKER not in head:
