@@ -198,3 +198,27 @@ def test_table_shows_the_metrics_sample_the_charts_were_drawn_from():
     html = table.table_html(state, svg, snapshot)
     assert "loss=0.5" in html and "loss=0.25" not in html
     assert "loss=0.25" in table.table_html(state)  # without a chart: the latest
+
+
+def test_text_view_repeats_a_stall_notice_only_when_it_doubles_or_moves(capsys):
+    from nbaccel.ui.text import TextView
+
+    now = time.monotonic()
+    state = make_state(1, t0=now - 31)  # quiet for 31 s already (stall_after is 30)
+    state.stall_after = 30.0
+    view = TextView(progress_interval=0)
+    view.start(state)
+    for _ in range(4):  # four updates, the seconds in the notice changing in between
+        view.update()
+        time.sleep(0.15)
+    assert capsys.readouterr().out.count("nbaccel: stalled?") == 1
+    # where it waits is now known (a faulthandler dump arrived)
+    state.ranks[
+        0
+    ].diag = 'Current thread 0x1 (most recent call first):\n  File "x.py", line 3 in barrier\n'
+    view.update()
+    view.update()
+    assert capsys.readouterr().out.count("nbaccel: stalled?") == 1
+    state.ranks[0].started_at = now - 70  # the stall has more than doubled
+    view.update()
+    assert capsys.readouterr().out.count("nbaccel: stalled?") == 1

@@ -140,6 +140,11 @@ class _Follow:
             else:
                 self.relay.read(r, kind)
         self._check_collectives()
+        if self.relay.state.wants_stacks():  # stalled: each rank writes its stack, as launches do
+            alive = [
+                self.processes[r] for r in self.pending if self.processes[r].exitcode() is None
+            ]
+            self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
         if (
             self.interrupted_at is not None
             and time.monotonic() > self.interrupted_at + INTERRUPT_GRACE
@@ -294,7 +299,12 @@ def reset_state(state: LaunchState, ranks: list[int]) -> None:
     for rank in ranks:
         s = state.ranks[rank]
         s.status, s.started_at, s.ended_at, s.error_line = RUNNING, now, None, None
+        # What the views show is this cell's: bars, metrics, chart, counters, crash report.
         s.bars.clear()
+        s.metrics.clear()
+        s.history.clear()
+        s._window.clear()
+        s.steps, s.samples, s.diag, s.last_advance = 0, 0.0, "", None
 
 
 def finish_state(state: LaunchState, outcome: Outcome) -> None:

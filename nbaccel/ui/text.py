@@ -45,7 +45,7 @@ class TextView:
         self._printed_progress: dict[int, str] = {}
         self._partial: dict[tuple[int, str], tuple[str, float]] = {}
         self._printed_partial: dict[tuple[int, str], str] = {}
-        self._stall_shown = ""
+        self._stall_shown, self._stall_reprint_at = "", 0.0
         self._settings_shown = False
         self._memory = MemorySampler()
 
@@ -107,9 +107,19 @@ class TextView:
             if self._printed_progress.get(rank.rank) != text:
                 self._printed_progress[rank.rank] = text
                 print(f"{self._label(rank.rank)}progress: {text}", file=sys.stdout)
+        self._print_stall(state)
+
+    def _print_stall(self, state: LaunchState) -> None:
+        """The stall notice when a stall starts, when where the ranks wait changes, and each
+        time the stall has doubled in length; not every interval (a log would fill up)."""
         stall = stall_text(state)
-        if stall and stall != self._stall_shown:
-            self._stall_shown = stall
+        if not stall:
+            self._stall_shown, self._stall_reprint_at = "", 0.0
+            return
+        quiet = state.stalled_for() or 0.0
+        where = stall.split("\n", 1)[-1]
+        if where != self._stall_shown or quiet >= self._stall_reprint_at:
+            self._stall_shown, self._stall_reprint_at = where, 2 * quiet
             print(f"nbaccel: {stall}", file=sys.stdout)
 
     def _print_quiet_partials(self, now: float) -> None:
