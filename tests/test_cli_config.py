@@ -126,3 +126,25 @@ def test_accelerate_config_is_named_with_a_way_on(tmp_path):
     assert "nbaccel config" in result.stderr
     # Accelerate counts processes over all machines; nbaccel per machine.
     assert "--num_processes 2 --mixed_precision bf16 --num_machines 2" in result.stderr
+
+
+def test_files_that_are_no_config_at_all_are_named_without_a_traceback(tmp_path):
+    cases = {
+        "binary.yaml": (b"\xff\xfe\x00\x01", "is not a text (UTF-8) file"),
+        "listkey.yaml": (b"[1, 2]: 3\n", "line 1: a key must be a name"),
+        "twice.yaml": (b"num_processes: 2\nnum_processes: 3\n", "given twice (also on line 1)"),
+        "no.yaml": (b"mixed_precision: no\n", "write mixed_precision: 'no' (quoted)"),
+    }
+    for name, (content, expected) in cases.items():
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / "folder.yaml").mkdir()
+    cases["folder.yaml"] = (b"", "is a folder, not a config file")
+    for name, (_, expected) in cases.items():
+        shown = run_cli("config", "--show", "--config_file", str(tmp_path / name), cwd=tmp_path)
+        assert shown.returncode == 2, (name, shown.stderr)
+        assert expected in shown.stderr and "Traceback" not in shown.stderr, shown.stderr
+
+
+def test_version(tmp_path):
+    shown = run_cli("--version", cwd=tmp_path)
+    assert shown.returncode == 0 and shown.stdout.strip().startswith("nbaccel 0.")

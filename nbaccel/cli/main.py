@@ -343,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nbaccel",
         description="Launch distributed PyTorch training from notebooks and scripts.",
     )
+    from nbaccel import __version__
+
+    parser.add_argument("--version", action="version", version=f"nbaccel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in (_add_config, _add_launch, _add_export, _add_env, _add_demo):
         add(sub)

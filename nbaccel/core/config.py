@@ -65,6 +65,11 @@ def normalize_mixed_precision(value: str | None) -> str:
     """``None`` and ``"no"`` mean full precision; anything else must be a known choice."""
     if value is None:
         return "no"
+    if value is False:  # YAML reads an unquoted `no` as false
+        raise ConfigError(
+            "mixed_precision must be a string, got false: YAML reads an unquoted no as false; "
+            "write mixed_precision: 'no' (quoted)."
+        )
     if not isinstance(value, str):
         raise ConfigError(
             f"mixed_precision must be a string, got {type(value).__name__}; "
@@ -217,6 +222,13 @@ class LaunchConfig:
         for key_node, value_node in root.value:
             key = key_node.value
             line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise ConfigError(f"{source}, line {line}: a key must be a name, like 'strategy'.")
+            if key in values:
+                raise ConfigError(
+                    f"{source}, line {line}: {key!r} is given twice (also on line "
+                    f"{lines[key]}); keep one."
+                )
             if key not in known:
                 raise ConfigError(
                     f"{source}, line {line}: unknown key {key!r}; "
@@ -242,6 +254,14 @@ class LaunchConfig:
                 f"no config file at {target}; create one with `nbaccel config` or "
                 "`nbaccel.configure()`."
             ) from None
+        except IsADirectoryError:
+            raise ConfigError(f"{target} is a folder, not a config file.") from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"{target} is not a text (UTF-8) file, so not a config file."
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read the config file {target}: {exc.strerror}.") from None
         return cls.from_yaml(text, source=str(target))
 
     @classmethod

@@ -51,7 +51,7 @@ SHARED_KEYS = (
 
 def looks_like_accelerate(keys: Iterable[str]) -> bool:
     """Whether a config file with these top-level keys was written by ``accelerate config``."""
-    return not ACCELERATE_ONLY_KEYS.isdisjoint(keys)
+    return not ACCELERATE_ONLY_KEYS.isdisjoint(k for k in keys if isinstance(k, str))
 
 
 def accelerate_flags(values: Mapping[str, Any]) -> list[str]:
