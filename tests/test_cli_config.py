@@ -135,7 +135,7 @@ def test_files_that_are_no_config_at_all_are_named_without_a_traceback(tmp_path)
         "twice.yaml": (b"num_processes: 2\nnum_processes: 3\n", "given twice (also on line 1)"),
         "no.yaml": (b"mixed_precision: no\n", "write mixed_precision: 'no' (quoted)"),
     }
-    for name, (content, expected) in cases.items():
+    for name, (content, _) in cases.items():
         (tmp_path / name).write_bytes(content)
     (tmp_path / "folder.yaml").mkdir()
     cases["folder.yaml"] = (b"", "is a folder, not a config file")
