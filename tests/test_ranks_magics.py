@@ -332,3 +332,10 @@ def test_dashboard_shows_each_ranks_row_for_a_ranks_cell():
         pids = _pids(k)
         assert k.execute("%ranks stop").error is None
     assert _gone(pids)
+
+
+def test_a_magic_or_shell_line_in_a_ranks_cell_says_what_to_do(ranks):
+    cell = ranks.execute("%%ranks\nx = 1\n!pip list")
+    # IPython shows a UsageError as one line on stderr
+    assert "line 2, '!pip list': ranks run plain Python" in cell.stderr, cell.stderr
+    assert "SyntaxError" not in cell.stdout + cell.stderr

@@ -16,6 +16,7 @@ Example (notebook cells)::
 from __future__ import annotations
 
 import argparse
+import ast
 import atexit
 import shlex
 from typing import Any
@@ -179,6 +180,7 @@ class RanksMagics(Magics):
         a = _CELL.parse_args(shlex.split(line))
         timeout = a.timeout if a.timeout is not None else UNSET
         session = self._session()
+        _refuse_kernel_syntax(cell)
         if session.started:
             try:
                 session._select(a.rank)
@@ -243,3 +245,19 @@ def register(shell: Any) -> RanksMagics:
     shell._nbaccel_ranks_magics = magics
     atexit.register(magics._stop_at_exit)
     return magics
+
+
+def _refuse_kernel_syntax(cell: str) -> None:
+    """Ranks run plain Python: a magic or shell escape line (which IPython only understands in
+    the kernel) would be a bare SyntaxError on every rank; say what to do instead."""
+    try:
+        ast.parse(cell)
+    except SyntaxError as exc:
+        lines = cell.splitlines()
+        line = lines[exc.lineno - 1].strip() if exc.lineno and exc.lineno <= len(lines) else ""
+        if line.startswith(("%", "!")):
+            raise UsageError(
+                f"%%ranks line {exc.lineno}, {line!r}: ranks run plain Python, not IPython's "
+                "magics and shell escapes. Run it in a cell of its own (it runs in the kernel), "
+                "or call it from Python on the ranks (e.g. subprocess.run([...]))."
+            ) from None
