@@ -179,6 +179,10 @@ def test_bad_input_starts_nothing(tmp_path):
     assert f"{broken}, line 2: unknown key 'precision'" in bad_file.stderr
     assert "launching" not in bad_file.stdout
 
+    no_host = run_cli("launch", "--main_process_ip", "no.such.host.invalid", "ok.py", cwd=tmp_path)
+    assert no_host.returncode == 2 and "Traceback" not in no_host.stderr
+    assert "--main_process_ip='no.such.host.invalid' cannot be used" in no_host.stderr
+
 
 @pytest.mark.slow
 def test_tqdm_bars_become_whole_labelled_lines(tmp_path):

@@ -100,7 +100,11 @@ def _resolve_port(cfg: LaunchConfig) -> int:
             "must be given the same port (e.g. --main_process_port 29500)."
         )
     loopback = cfg.main_process_ip in hardware.LOOPBACK_HOSTS
-    return rendezvous.free_port("127.0.0.1" if loopback else cfg.main_process_ip)
+    try:
+        return rendezvous.free_port("127.0.0.1" if loopback else cfg.main_process_ip)
+    except OSError as exc:  # a name that does not resolve, or no address of this machine
+        message = rendezvous.unusable_address("--main_process_ip", cfg.main_process_ip, exc)
+        raise UsageError(message) from None
 
 
 def _check_target(args: argparse.Namespace) -> list[str]:

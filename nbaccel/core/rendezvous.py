@@ -28,6 +28,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def unusable_address(name: str, host: str, exc: OSError) -> str:
+    """What to say when ``host`` (given as ``name``) cannot serve the rendezvous.
+
+    >>> unusable_address("master_addr", "nohost", OSError(-2, "Name or service not known"))[:40]
+    "master_addr='nohost' cannot be used for "
+    """
+    return (
+        f"{name}={host!r} cannot be used for the rendezvous ({exc.strerror or exc}). On one "
+        "machine leave the default '127.0.0.1'; across machines pass the address of machine 0 "
+        "as the other machines reach it."
+    )
+
+
 def check_port(host: str, port: int) -> None:
     """Raise a ValueError that says what to do when ``port`` cannot be bound on ``host``."""
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:

@@ -236,11 +236,7 @@ def _resolve_port(use_port: int | str, master_addr: str, node_rank: int, num_nod
     try:
         return _check_port(use_port, master_addr, node_rank, num_nodes)
     except OSError as exc:  # socket.gaierror: a name that does not resolve; or not this host's
-        raise ValueError(
-            f"master_addr={master_addr!r} cannot be used for the rendezvous "
-            f"({exc.strerror or exc}). On one machine leave the default '127.0.0.1'; across "
-            "machines pass the address of node 0 as the other nodes reach it."
-        ) from None
+        raise ValueError(rendezvous.unusable_address("master_addr", master_addr, exc)) from None
 
 
 def _check_port(use_port: int | str, master_addr: str, node_rank: int, num_nodes: int) -> int:
