@@ -249,3 +249,27 @@ def test_epoch_plan_shards_disjointly_and_evens_out_the_last_step():
     assert [p.batches[-1] for p in odd] == [[6, 7], [8, 0]] and odd[0].remainder == 3
     dropped = _plan_epoch(list(range(9)), 3, 2, 0, drop_last=True, even=True)
     assert dropped.batches == [[0, 1, 2]]
+
+
+def test_atomic_write_keeps_symlinks_and_permissions(tmp_path):
+    import os
+    import stat
+
+    from nbaccel.core.atomic import atomic_write
+
+    real = tmp_path / "dotfiles" / "real.yaml"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    real.chmod(0o644)
+    link = tmp_path / "config.yaml"
+    link.symlink_to(real)
+    with atomic_write(link, "w", encoding="utf-8") as f:
+        f.write("new\n")
+    assert link.is_symlink() and real.read_text() == "new\n"  # written through the link
+    assert stat.S_IMODE(real.stat().st_mode) == 0o644
+    fresh = tmp_path / "script.py"
+    with atomic_write(fresh, "w", encoding="utf-8") as f:
+        f.write("print(1)\n")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o666 & ~umask  # as open() would, not 0600

@@ -17,17 +17,24 @@ def atomic_write(
     """Yield a temporary file beside ``path``; on success it is synced and renamed over ``path``.
 
     If the block raises (or the process dies), ``path`` keeps its previous content and the
-    temporary file is removed (or, after a crash, left as a hidden ``.name.*.tmp``).
+    temporary file is removed (or, after a crash, left as a hidden ``.name.*.tmp``). A symlink
+    is written through (the file it points to is replaced, the link stays), and the file keeps
+    its permissions; a new one gets the usual ones (0666 less the umask), as ``open`` gives.
 
     Example::
 
         with atomic_write("config.yaml", "w", encoding="utf-8") as f:
             f.write(text)
     """
-    target = Path(path)
+    target = Path(os.path.realpath(path))  # through symlinks: a dotfiles link stays a link
     target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        permissions = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        permissions = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.chmod(tmp, permissions)  # mkstemp makes it 0600
         with os.fdopen(fd, mode, encoding=encoding) as f:
             yield f
             f.flush()
@@ -36,3 +43,16 @@ def atomic_write(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` can only set it, which
+    would briefly change it for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022  # the usual default where /proc is not there
