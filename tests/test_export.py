@@ -286,3 +286,16 @@ def test_the_notebook_itself_is_never_the_output_and_a_folder_takes_the_script(t
     assert nb.read_bytes() == before
     (tmp_path / "out").mkdir()
     assert export_notebook(nb, tmp_path / "out") == tmp_path / "out" / "keep.py"
+
+
+def test_the_suggested_command_carries_the_notebooks_literal_settings(tmp_path):
+    nb = make_notebook(
+        tmp_path / "set.ipynb",
+        "result = nbaccel.notebook_launcher(train, (3,), 2, mixed_precision='bf16')",
+        magics=False,
+    )
+    done = run_cli("export", str(nb), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    command = "nbaccel launch --num_processes 2 --mixed_precision bf16 set.py"
+    assert f"run it with: {command}" in done.stdout
+    assert (tmp_path / "set.py").read_text().splitlines()[0].endswith(command)

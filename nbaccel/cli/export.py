@@ -201,6 +201,32 @@ def _read(notebook: Path):
         raise ExportError(f"{notebook} is not a readable notebook: {exc}") from None
 
 
+def launch_flags(call: ast.Call) -> str:
+    """``nbaccel launch`` flags for the settings the notebook's call gives as literals
+    (``num_processes=2``, ``mixed_precision="bf16"``), so the suggested command runs as the
+    notebook did; settings given otherwise come from the config file.
+
+    >>> launch_flags(ast.parse("notebook_launcher(f, (), 2, mixed_precision='bf16')").body[0].value)
+    '--num_processes 2 --mixed_precision bf16 '
+    """
+    given = {k.arg: k.value for k in call.keywords if k.arg}
+    for position, name in ((2, "num_processes"), (3, "mixed_precision")):
+        if len(call.args) > position:
+            given.setdefault(name, call.args[position])
+    out = []
+    for name in ("num_processes", "mixed_precision"):
+        node = given.get(name)
+        if isinstance(node, ast.Constant) and node.value is not None:
+            out.append(f"--{name} {node.value} ")
+    return "".join(out)
+
+
+def run_command(script: str | os.PathLike[str]) -> str:
+    """The command an exported script's header suggests (``nbaccel launch ... x.py``)."""
+    head = Path(script).read_text(encoding="utf-8").split("\n", 1)[0]
+    return head.partition("run it with: ")[2] or f"nbaccel launch {script}"
+
+
 def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = None) -> str:
     """The script text for ``notebook`` (see the module docstring); raises :class:`ExportError`.
 
@@ -256,7 +282,8 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
         )
 
     script_name = path.with_suffix(".py").name
-    parts = [HEADER.format(name=path.name, script=script_name)]
+    flags = launch_flags(found[0][1].value) if found else ""
+    parts = [HEADER.format(name=path.name, script=flags + script_name)]
     known = defined_names([tree for _, _, tree in cells])
     launched = False
     for index, source, _tree in cells:
@@ -393,7 +420,7 @@ def export_notebook(
                 "replace it, or choose another name with -o."
             )
     if output:  # the header names the script actually written
-        text = text.replace(Path(notebook).with_suffix(".py").name, target.name, 1)
+        text = text.replace(Path(notebook).with_suffix(".py").name + "\n", target.name + "\n", 1)
     with atomic_write(target, "w", encoding="utf-8") as f:
         f.write(text)
     return target

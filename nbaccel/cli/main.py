@@ -310,13 +310,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from nbaccel.cli.export import ExportError, export_notebook
+    from nbaccel.cli.export import ExportError, export_notebook, run_command
 
     try:
         target = export_notebook(args.notebook, args.output, args.function, args.force)
     except ExportError as exc:
         raise UsageError(str(exc)) from None
-    print(f"wrote {target}; run it with: nbaccel launch {target}")
+    print(f"wrote {target}; run it with: {run_command(target)}")
     return 0
 
 
