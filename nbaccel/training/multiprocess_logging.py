@@ -19,13 +19,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from nbaccel.training.state import env_int
+
 __all__ = ["MultiProcessAdapter", "get_logger"]
 
 
 def _process_index() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    return env_int("RANK", 0)
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):

@@ -10,11 +10,12 @@ True
 
 from __future__ import annotations
 
-import os
 import random as _py_random
 from typing import Any
 
 import torch
+
+from nbaccel.training.state import env_int
 
 try:
     import numpy as _np
@@ -41,7 +42,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an integer, got {seed!r}.")
     if device_specific:
-        seed += int(os.environ.get("RANK", "0") or 0)
+        seed += env_int("RANK", 0)
     _py_random.seed(seed)
     if _np is not None:
         _np.random.seed(seed % 2**32)

@@ -69,7 +69,8 @@ class ProcessState:
         return self.num_processes > 1
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """The launcher's integer variable ``name`` (``RANK``, ``LOCAL_RANK``...), else ``default``."""
     value = os.environ.get(name)
     if value in (None, ""):
         return default
@@ -97,10 +98,10 @@ def detect_state(cpu: bool = False, init_kwargs: Any = None) -> ProcessState:
         return ProcessState(
             rank, local_rank, world, local_world, device, "xla" if world > 1 else None
         )
-    world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", rank if world > 1 else 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    world = env_int("WORLD_SIZE", 1)
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", rank if world > 1 else 0)
+    local_world = env_int("LOCAL_WORLD_SIZE", world)
     use_cuda = not cpu and torch.cuda.is_available()
     if use_cuda:
         count = torch.cuda.device_count()

@@ -20,6 +20,7 @@ from typing import Any
 from nbaccel.core import capabilities
 from nbaccel.rank import reporting
 from nbaccel.training.options import LoggerType
+from nbaccel.training.state import env_int
 
 
 def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -35,7 +36,7 @@ def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(function)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "main_process_only", False) and int(os.environ.get("RANK", "0") or 0):
+        if getattr(self, "main_process_only", False) and env_int("RANK", 0):
             return None
         return function(self, *args, **kwargs)
 

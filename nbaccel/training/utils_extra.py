@@ -22,6 +22,7 @@ import torch
 from nbaccel.core.config import LaunchConfig, default_config_path
 from nbaccel.training import checkpoint, model_files, ops
 from nbaccel.training.precision import Precision
+from nbaccel.training.state import env_int
 
 
 def extract_model_from_parallel(
@@ -65,10 +66,6 @@ def wait_for_everyone() -> None:
     ops.barrier()
 
 
-def _rank(variable: str) -> int:
-    return int(os.environ.get(variable, "0") or 0)
-
-
 def save(
     obj: Any,
     f: str | os.PathLike[str],
@@ -82,7 +79,7 @@ def save(
 
         save(model.state_dict(), "out/model.pt")     # rank 0 writes; the others skip
     """
-    if _rank("LOCAL_RANK" if save_on_each_node else "RANK") == 0:
+    if env_int("LOCAL_RANK" if save_on_each_node else "RANK", 0) == 0:
         write(obj, f, safe_serialization)
 
 
@@ -111,7 +108,7 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     from tqdm.auto import tqdm as bar
 
     if main_process_only:
-        kwargs["disable"] = kwargs.get("disable", False) or _rank("LOCAL_RANK") != 0
+        kwargs["disable"] = kwargs.get("disable", False) or env_int("LOCAL_RANK", 0) != 0
     return bar(*args, **kwargs)
 
 
