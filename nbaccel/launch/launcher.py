@@ -149,20 +149,18 @@ def _run_with_restarts(
     """``run_plan``, and again (all ranks, each attempt a fresh view) after a rank fails, up to
     ``plan.max_restarts`` times; the last failure is raised."""
     __tracebackhide__ = True
-    for attempt in range(plan.max_restarts + 1):
+    for restart in range(1, plan.max_restarts + 1):
         try:
             return run_plan(plan, view if view is not None else choose_view(progress), preload)
         except RankFailedError as exc:
-            if attempt == plan.max_restarts:
-                raise
             what = exc.exc_type.rsplit(".", 1)[-1] if exc.exc_type else "it exited"
             print(
                 f"nbaccel: rank {exc.rank} failed ({what}); restarting all "
-                f"{len(plan.specs)} ranks (restart {attempt + 1} of {plan.max_restarts})",
+                f"{len(plan.specs)} ranks (restart {restart} of {plan.max_restarts})",
                 file=sys.stderr,
                 flush=True,
             )
-    raise AssertionError("unreachable")  # the loop returns or raises
+    return run_plan(plan, view if view is not None else choose_view(progress), preload)
 
 
 # Raise `exc` without nbaccel's frames below: bad input (plan.py, config, capabilities) or a
