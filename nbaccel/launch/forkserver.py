@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -229,23 +230,24 @@ class AnswerWatchdog:
             now = time.monotonic()
             if self.interrupted and interrupted_at is None:
                 interrupted_at = now
-            late = now - started > self.deadline
             if (
                 interrupted_at is not None
                 and now - interrupted_at > ANSWER_DEADLINE_AFTER_INTERRUPT
             ):
-                late, waited = True, f"{ANSWER_DEADLINE_AFTER_INTERRUPT:g} s after Ctrl-C"
-            else:
+                waited = f"{ANSWER_DEADLINE_AFTER_INTERRUPT:g} s after Ctrl-C"
+            elif now - started > self.deadline:
                 waited = f"{self.deadline:g} s"
+            else:
+                continue
             pid = mp_internals.forkserver_pid()
-            if late and pid is not None:
+            if pid is not None:
                 self.reason = (
                     f"the fork server (pid {pid}) did not answer a rank start within {waited}, "
                     "so it was stopped (with any %ranks session it had started); the next "
                     "launch starts a fresh one"
                 )
                 try:
-                    os.kill(pid, 9)
+                    os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
                 return
