@@ -30,6 +30,7 @@ from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, Launch
 from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
 from nbaccel.launch import root_cause
 from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay
 
 TICK = 0.05
@@ -141,10 +142,7 @@ class _Follow:
                 self.relay.read(r, kind)
         self._check_collectives()
         if self.relay.state.wants_stacks():  # stalled: each rank writes its stack, as launches do
-            alive = [
-                self.processes[r] for r in self.pending if self.processes[r].exitcode() is None
-            ]
-            self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
+            self.relay.group.send_signal(self._alive_pending(), STACK_DUMP_SIGNAL)
         if (
             self.interrupted_at is not None
             and time.monotonic() > self.interrupted_at + INTERRUPT_GRACE
@@ -229,13 +227,17 @@ class _Follow:
             "collective can never complete"
         )
 
+    def _alive_pending(self) -> list[RankProcess]:
+        """The ranks still running this cell."""
+        return [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
+
     def _interrupt(self) -> None:
         self.interrupted_at = time.monotonic()
-        alive = [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
+        alive = self._alive_pending()
         self.relay.group.send_signal(alive, signal.SIGINT)
 
     def _time_out(self) -> None:
-        alive = [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
+        alive = self._alive_pending()
         state = self.relay.state
         before = {r.rank: len(state.ranks[r.rank].diag) for r in alive}
         self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
