@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import time
 
-from nbaccel.core.launch_state import LaunchState
+from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX, LaunchState, line_label
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import (
     STRAGGLER_MARK,
@@ -70,7 +70,9 @@ class TextView:
         target.write("".join(f"{label}{line}\n" for line in lines))
 
     def _label(self, rank: int) -> str:
-        return self._state.info.label(rank) if self._state is not None else f"[rank{rank}] "
+        if self._state is None:  # output before start(): the default labels
+            return line_label(DEFAULT_LINE_PREFIX, rank, rank)
+        return self._state.info.label(rank)
 
     def partial(self, rank: int, stream: str, text: str) -> None:
         """The rank's unfinished line now ("" when there is none)."""
