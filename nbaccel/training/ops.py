@@ -61,10 +61,7 @@ def recursively_apply(
         if isinstance(value, (list, tuple)):
             return type(value)(walk(v) for v in value)
         if isinstance(value, Mapping):
-            try:
-                return type(value)({k: walk(v) for k, v in value.items()})
-            except TypeError:  # mappings whose constructor wants more than a dict
-                return {k: walk(v) for k, v in value.items()}
+            return _same_kind(value, {k: walk(v) for k, v in value.items()})
         if error_on_other_type:
             raise TypeError(
                 f"cannot apply {getattr(func, '__name__', func)} to a {type(value).__name__}: "
@@ -73,6 +70,15 @@ def recursively_apply(
         return value
 
     return walk(data)
+
+
+def _same_kind(mapping: Mapping, items: dict[Any, Any]) -> Any:
+    """``items`` as ``mapping``'s own type where its constructor takes a dict, else a dict.
+    The values are computed once, before: they may come from collectives."""
+    try:
+        return type(mapping)(items)
+    except TypeError:  # mappings whose constructor wants more than a dict
+        return items
 
 
 def send_to_device(
@@ -95,10 +101,7 @@ def send_to_device(
             k: v if k in skip else send_to_device(v, device, non_blocking)
             for k, v in tensor.items()
         }
-        try:
-            return type(tensor)(moved)
-        except TypeError:
-            return moved
+        return _same_kind(tensor, moved)
     if hasattr(tensor, "to") and not isinstance(tensor, torch.Tensor) and hasattr(tensor, "keys"):
         try:
             return tensor.to(device)
