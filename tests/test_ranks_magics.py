@@ -33,7 +33,8 @@ def ranks(kernel):
         "_m = get_ipython()._nbaccel_ranks_magics\nprint(bool(_m.session and _m.session.started))"
     )
     if cell.stdout.strip() != "True":
-        cell = kernel.execute("%ranks start -n 2 --timeout 60")
+        # A trailing comment, as the README writes it: IPython passes it to line magics.
+        cell = kernel.execute("%ranks start -n 2 --timeout 60  # gloo on CPU")
         assert cell.error is None, cell.error_text
         assert "2 ranks ready" in cell.stdout
     return kernel
@@ -74,7 +75,7 @@ def test_state_lives_across_cells_and_output_is_labelled(ranks):
     cell = ranks.execute("%%ranks\nx + 1")
     assert cell.error is None, cell.error_text
     assert "[rank0] Out: 1" in cell.stdout and "[rank1] Out: 11" in cell.stdout
-    cell = ranks.execute("%%ranks --rank 1\nx")
+    cell = ranks.execute("%%ranks --rank 1  # only the second rank\nx")
     assert cell.stdout.strip() == "[rank1] Out: 10"
 
 

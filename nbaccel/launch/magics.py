@@ -32,6 +32,16 @@ USAGE = """\
 %ranks status | stop | restart | auto on|off"""
 
 
+def _words(line: str) -> list[str]:
+    """A magic's arguments as the shell would split them: a trailing ``# comment`` is dropped
+    (IPython hands line magics the whole rest of the line, comment included).
+
+    >>> _words("start -n 2  # gloo on CPU")
+    ['start', '-n', '2']
+    """
+    return shlex.split(line, comments=True)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would exit the kernel's process
         raise UsageError(f"{self.prog}: {message}\n\n{USAGE}")
@@ -88,7 +98,7 @@ class RanksMagics(Magics):
 
     def _line(self, line: str) -> Any:
         __tracebackhide__ = True
-        words = shlex.split(line)
+        words = _words(line)
         if not words:
             raise UsageError(USAGE)
         command, rest = words[0], words[1:]
@@ -177,7 +187,7 @@ class RanksMagics(Magics):
         __tracebackhide__ = True
         from nbaccel.launch.plan import UNSET
 
-        a = _CELL.parse_args(shlex.split(line))
+        a = _CELL.parse_args(_words(line))
         timeout = a.timeout if a.timeout is not None else UNSET
         session = self._session()
         _refuse_kernel_syntax(cell)
