@@ -299,3 +299,16 @@ def test_the_suggested_command_carries_the_notebooks_literal_settings(tmp_path):
     command = "nbaccel launch --num_processes 2 --mixed_precision bf16 set.py"
     assert f"run it with: {command}" in done.stdout
     assert (tmp_path / "set.py").read_text().splitlines()[0].endswith(command)
+
+
+def test_the_suggested_command_names_the_script_from_where_export_ran(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    nb = make_notebook(
+        tmp_path / "notebooks" / "a.ipynb", "result = nbaccel.notebook_launcher(train)"
+    )
+    done = run_cli("export", "notebooks/a.ipynb", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("run it with: nbaccel launch notebooks/a.py")
+    # The script's own header names it from its folder, where the script lies.
+    assert (tmp_path / "notebooks" / "a.py").read_text().splitlines()[0].endswith("launch a.py")
+    assert nb.exists()

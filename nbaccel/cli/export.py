@@ -29,6 +29,7 @@ import ast
 import builtins
 import os
 import re
+import shlex
 import textwrap
 import warnings
 from pathlib import Path
@@ -222,9 +223,21 @@ def launch_flags(call: ast.Call) -> str:
 
 
 def run_command(script: str | os.PathLike[str]) -> str:
-    """The command an exported script's header suggests (``nbaccel launch ... x.py``)."""
-    head = Path(script).read_text(encoding="utf-8").split("\n", 1)[0]
-    return head.partition("run it with: ")[2] or f"nbaccel launch {script}"
+    """The command an exported script's header suggests (``nbaccel launch ... x.py``), with the
+    script named as it is reached from the current folder: the header names it from its own
+    folder, so ``nbaccel export notebooks/a.ipynb`` must suggest ``notebooks/a.py``."""
+    path = Path(script)
+    head = path.read_text(encoding="utf-8").split("\n", 1)[0]
+    command = head.partition("run it with: ")[2] or f"nbaccel launch {path.name}"
+    try:
+        shown = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        shown = str(path.resolve())
+    if shown.startswith(".." + os.sep):
+        shown = str(path.resolve())
+    if command.endswith(path.name):
+        command = command[: -len(path.name)] + shlex.quote(shown)
+    return command
 
 
 def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = None) -> str:
