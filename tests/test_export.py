@@ -312,3 +312,18 @@ def test_the_suggested_command_names_the_script_from_where_export_ran(tmp_path):
     # The script's own header names it from its folder, where the script lies.
     assert (tmp_path / "notebooks" / "a.py").read_text().splitlines()[0].endswith("launch a.py")
     assert nb.exists()
+
+
+def test_the_cli_says_what_was_not_carried_over_in_one_line(tmp_path):
+    cells = [
+        nbformat.v4.new_code_cell("import nbaccel"),
+        nbformat.v4.new_code_cell("cfg = nbaccel.configure()", metadata={"tags": ["skip-export"]}),
+        nbformat.v4.new_code_cell(TRAIN),
+        nbformat.v4.new_code_cell("result = nbaccel.notebook_launcher(train, config=cfg)"),
+    ]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "panel.ipynb")
+    done = run_cli("export", "panel.ipynb", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    notes = done.stderr.strip().splitlines()
+    assert len(notes) == 1 and notes[0].startswith("nbaccel export: notebook_launcher(..."), notes
+    assert "ExportWarning" not in done.stderr and "warnings.warn" not in done.stderr

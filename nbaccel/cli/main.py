@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -310,12 +311,21 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from nbaccel.cli.export import ExportError, export_notebook, run_command
+    from nbaccel.cli.export import ExportError, ExportWarning, export_notebook, run_command
 
-    try:
-        target = export_notebook(args.notebook, args.output, args.function, args.force)
-    except ExportError as exc:
-        raise UsageError(str(exc)) from None
+    # What was not carried over is said in one line each, not as Python's
+    # "path/export.py:311: ExportWarning: ..." with the source line under it.
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", ExportWarning)
+        try:
+            target = export_notebook(args.notebook, args.output, args.function, args.force)
+        except ExportError as exc:
+            raise UsageError(str(exc)) from None
+    for note in notes:
+        if issubclass(note.category, ExportWarning):
+            print(note.message, file=sys.stderr)
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
     print(f"wrote {target}; run it with: {run_command(target)}")
     return 0
 
