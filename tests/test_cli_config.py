@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nbaccel.core import hardware
 from nbaccel.core.config import LaunchConfig
 from tests.test_cli_support import run_cli
@@ -148,3 +150,18 @@ def test_files_that_are_no_config_at_all_are_named_without_a_traceback(tmp_path)
 def test_version(tmp_path):
     shown = run_cli("--version", cwd=tmp_path)
     assert shown.returncode == 0 and shown.stdout.strip().startswith("nbaccel 0.")
+
+
+def test_a_choice_this_machine_cannot_run_is_kept_and_named_by_config_and_env(tmp_path):
+    from nbaccel.core import capabilities, hardware
+
+    if not capabilities.unrunnable_here("fp8", "ddp", hardware.detect().gpus):
+        pytest.skip("this machine can run fp8 (a GPU of compute capability 8.9+ and torchao)")
+    target = tmp_path / "cfg.yaml"
+    # machines, processes, precision, strategy (Enter = default), accumulation
+    result = run_cli("config", "--config_file", str(target), cwd=tmp_path, stdin="1\n2\nfp8\n\n1\n")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert LaunchConfig.load(target).mixed_precision == "fp8"  # kept: meant for another machine
+    assert "note: this machine cannot launch it: mixed_precision='fp8': fp8 needs" in result.stdout
+    env = run_cli("env", "--config_file", str(target), cwd=tmp_path)
+    assert "(this machine cannot launch it: mixed_precision='fp8'" in env.stdout, env.stdout

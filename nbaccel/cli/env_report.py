@@ -57,9 +57,15 @@ def _config(config_file: str | None) -> list[str]:
         return [f"- config file: {path} (not present; defaults apply)"]
     lines = [f"- config file: {path}"]
     try:
-        LaunchConfig.load(path)
+        cfg = LaunchConfig.load(path)
     except ConfigError as exc:
         lines.append(f"  (invalid: {exc})")
+    else:
+        from nbaccel.core import capabilities, hardware
+
+        gpus = hardware.detect().gpus
+        for problem in capabilities.unrunnable_here(cfg.mixed_precision, cfg.strategy, gpus):
+            lines.append(f"  (this machine cannot launch it: {problem})")
     text = path.read_text(encoding="utf-8", errors="replace")
     lines += ["  " + line for line in text.splitlines() if line.strip()]
     return lines

@@ -193,7 +193,19 @@ def _ask_and_write(path: Path) -> int:
         )
     cfg = dataclasses.replace(current, **values)  # validates the whole config again
     print(f"wrote {cfg.save(path)}")
+    _say_what_cannot_run_here(cfg)
     return 0
+
+
+def _say_what_cannot_run_here(cfg: LaunchConfig) -> None:
+    """The file is kept (it may be written for another machine), but a launch here would
+    refuse it: say so now, not at the launch."""
+    from nbaccel.core import capabilities, hardware
+
+    for problem in capabilities.unrunnable_here(
+        cfg.mixed_precision, cfg.strategy, hardware.detect().gpus
+    ):
+        print(f"note: this machine cannot launch it: {problem}")
 
 
 def _ask_fsdp(current: LaunchConfig) -> dict[str, Any]:

@@ -140,3 +140,25 @@ def check_strategy(strategy: str, precision: str, deepspeed: bool | None = None)
     verdict = strategy_verdict(strategy, precision, installed)
     if not verdict.allowed:
         raise ConfigError(f"strategy={strategy!r}: {verdict.reason}")
+
+
+def unrunnable_here(precision: str, strategy: str, gpus: Sequence[GPU]) -> list[str]:
+    """Why a config with these settings cannot launch on this machine (empty: it can), for
+    ``nbaccel config`` and ``nbaccel env``, which keep such a file (it may be meant for another
+    machine) but say so.
+
+    >>> unrunnable_here("no", "ddp", ())
+    []
+    >>> unrunnable_here("fp8", "ddp", ())[0].startswith("mixed_precision='fp8': fp8 needs a CUDA GPU")
+    True
+    """
+    problems = []
+    for check in (
+        lambda: check_precision(precision, gpus),
+        lambda: check_strategy(strategy, precision),
+    ):
+        try:
+            check()
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
