@@ -27,6 +27,7 @@ from nbaccel.launch import root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning, sigint_deferred
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
+from nbaccel.launch.output_logs import LaunchLogs
 from nbaccel.ui import View
 
 TICK = 0.05  # seconds between view updates while nothing arrives
@@ -47,6 +48,7 @@ class Relay:
         self._ended: dict[int, str] = {}  # ranks whose function ended well: "returned", ...
         self._leftovers: list[tuple[int, str, int | None]] = []  # (pid, command, rank)
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
+        self._logs = LaunchLogs(state)  # every byte of stdout/stderr, whatever the view shows
         self.selector = selectors.DefaultSelector()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -142,7 +144,10 @@ class Relay:
         return True
 
     def _splitter(self, rank: int, stream: str) -> LineSplitter:
-        return self._splitters.setdefault((rank, stream), LineSplitter())
+        key = (rank, stream)
+        if key not in self._splitters:
+            self._splitters[key] = LineSplitter(sink=self._logs.file(rank, stream))
+        return self._splitters[key]
 
     def _emit_lines(self, rank: int, stream: str, lines: list[str]) -> None:
         if lines:

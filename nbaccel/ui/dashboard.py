@@ -4,7 +4,8 @@ Layout: one HTML widget holds the header (what the ranks run, elapsed), the run 
 epochs, summed rates, overall ETA), a stall notice, the per-rank table (status, straggler mark,
 bar, rate, ETA, memory, metrics, a failed rank's error line) and the metric charts (inline SVG),
 so the table and the charts always come from the same moment. Each rank's output has its own
-pane that follows the tail.
+pane that follows the tail: its last lines, bounded in size (``ui/panes.py``), so one update
+is at most ~100 KB whatever a rank prints; every line is in the rank's log file.
 
 Why so few widgets: every widget that changes costs one iopub message, and a launch may step
 thousands of times a second on many ranks. The dashboard coalesces all changes and pushes at most
@@ -138,7 +139,7 @@ class Dashboard:
         while self._dirty_panes and (final or self._tokens >= 1):
             rank = self._dirty_panes.pop(0)
             if rank in self._panes:
-                html = panes.pane_html(rank, self._outputs[rank])
+                html = panes.pane_html(rank, self._outputs[rank], state.log_path(rank, "*"))
                 self._set(self._panes[rank], "value", html, True)
 
     def _set(self, widget: Any, name: str, value: Any, force: bool) -> bool:

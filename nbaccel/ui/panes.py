@@ -1,5 +1,9 @@
-"""A rank's output pane: the last ``PANE_LINES`` lines, a count of dropped ones, the live
+"""A rank's output pane: its last lines (at most ``PANE_LINES`` of them, ``PANE_CHARS``
+characters in all, each line at most ``LONG_LINE``), a count of dropped ones, the live
 unfinished line, rendered as HTML that stays scrolled to the newest line.
+
+The limits bound what one pane update sends, whatever a rank prints; every line is in the
+rank's log file (:mod:`nbaccel.launch.output_logs`).
 
 >>> buf = PaneBuffer(limit=2)
 >>> buf.extend("stdout", ["a", "b", "c"])
@@ -17,11 +21,29 @@ import collections
 import html
 
 PANE_LINES = 1000  # output lines kept per rank in its pane
+PANE_CHARS = 64 * 1024  # characters of those lines in all
+LONG_LINE = 8 * 1024  # a longer line shows its start and its end (where a cut line's note is)
+_LONG_END = 1024
+
+
+def shorten(text: str, limit: int = LONG_LINE) -> str:
+    """``text`` as a pane shows it: its start and its end where it is longer than ``limit``.
+
+    >>> shorten("a" * 10 + "b" * 10, limit=8)
+    'aaaaaa … [12 characters not shown here] … bb'
+    """
+    if len(text) <= limit:
+        return text
+    end = min(_LONG_END, limit // 4)
+    start = limit - end
+    return f"{text[:start]} … [{len(text) - limit:,} characters not shown here] … {text[-end:]}"
 
 
 class PaneBuffer:
-    def __init__(self, limit: int = PANE_LINES) -> None:
-        self._lines: collections.deque[tuple[str, str]] = collections.deque(maxlen=limit)
+    def __init__(self, limit: int = PANE_LINES, chars: int = PANE_CHARS) -> None:
+        self._lines: collections.deque[tuple[str, str]] = collections.deque()
+        self._limit, self._chars_limit = limit, chars
+        self._chars = 0
         self.total = 0  # lines received
         self.partial: tuple[str, str] | None = None  # (stream, text) of the unfinished line
 
@@ -30,11 +52,19 @@ class PaneBuffer:
         return self.total - len(self._lines)
 
     def extend(self, stream: str, lines: list[str]) -> None:
-        self._lines.extend((stream, line) for line in lines)
         self.total += len(lines)
+        for line in lines[-self._limit :]:
+            line = shorten(line)
+            self._lines.append((stream, line))
+            self._chars += len(line)
+        while len(self._lines) > self._limit or (
+            self._chars > self._chars_limit and len(self._lines) > 1
+        ):
+            self._chars -= len(self._lines.popleft()[1])
 
     def set_partial(self, stream: str, text: str) -> bool:
         """Show ``text`` as the live last line ("" clears it); report whether it changed."""
+        text = shorten(text)
         new = (stream, text) if text else None
         if new == self.partial:
             return False
@@ -56,9 +86,10 @@ def _line(stream: str, text: str, cls: str = "") -> str:
     return f"<span{klass}{style}>{html.escape(text)}</span>"
 
 
-def pane_html(rank: int, buffer: PaneBuffer) -> str:
-    """The pane as HTML. The outer box is a reversed flex column, so the browser keeps it
-    scrolled to the newest line each time the content is replaced (no script needed)."""
+def pane_html(rank: int, buffer: PaneBuffer, log: str | None = None) -> str:
+    """The pane as HTML (``log``: the file with every line, named where lines were dropped).
+    The outer box is a reversed flex column, so the browser keeps it scrolled to the newest
+    line each time the content is replaced (no script needed)."""
     body = [_line(stream, text) for stream, text in buffer.entries()]
     if buffer.partial is not None:
         body.append(_line(*buffer.partial, cls="nbaccel-partial"))
@@ -67,7 +98,7 @@ def pane_html(rank: int, buffer: PaneBuffer) -> str:
         note = (
             f"<div class='nbaccel-dropped' style='color:#57606a;font-size:11px'>"
             f"{buffer.dropped:,} earlier lines dropped; showing the last {len(buffer.entries()):,}"
-            "</div>"
+            f"{'; every line is in ' + html.escape(log) if log else ''}</div>"
         )
     text = "\n".join(body) or "<span style='color:#57606a'>(no output yet)</span>"
     return (
