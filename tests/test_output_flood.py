@@ -124,10 +124,15 @@ nbaccel.notebook_launcher(flood, num_processes=1)
 def run_flood(kernel: KernelSession, code: str, interrupt_after: float | None = None):
     prober = Prober(kernel)
     started = time.monotonic()
-    interrupted = []
+    flooding, interrupted = [], []
 
     def on_message(msg: dict) -> None:
-        if interrupt_after and not interrupted and time.monotonic() - started > interrupt_after:
+        """Interrupt ``interrupt_after`` seconds into the flood (its first lines shown)."""
+        if not interrupt_after or interrupted:
+            return
+        if not flooding and "line 1" in json.dumps(msg["content"]):
+            flooding.append(time.monotonic())
+        if flooding and time.monotonic() - flooding[0] > interrupt_after:
             interrupted.append(time.monotonic())
             kernel.interrupt()
 
@@ -150,8 +155,8 @@ def run_flood(kernel: KernelSession, code: str, interrupt_after: float | None = 
         f"{kernel.view}: cell {took:.1f} s, {sent / 1e6:.2f} MB on iopub, {len(cell.messages)} "
         f"messages, control answers within {max(prober.control_waits):.2f} s"
     )
-    # A request queued behind a cell that raised (the interrupt) is aborted by ipykernel.
-    assert prober.result == ("aborted" if interrupt_after else "ok")
+    # ipykernel may abort a request queued behind a cell that raised (the interrupt) or run it.
+    assert prober.result in (("ok", "aborted") if interrupt_after else ("ok",)), prober.result
     assert prober.answered_at is not None
     assert prober.answered_at - ended < 1.0, "1+1 waited behind the flood's output"
     assert max(prober.control_waits) < 1.0, prober.control_waits
@@ -190,7 +195,7 @@ def test_500k_lines(kernel):
 
 
 def test_an_endless_flood_is_interrupted_promptly(kernel):
-    cell, took, sent = run_flood(kernel, ENDLESS, interrupt_after=4.0)
+    cell, took, sent = run_flood(kernel, ENDLESS, interrupt_after=3.0)
     assert took < 10, f"the interrupt took {took:.1f} s to end the cell"
     assert sent < 4_000_000, sent
     assert "launch interrupted; all 1 ranks were stopped" in cell.error_text
