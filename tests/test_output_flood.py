@@ -6,9 +6,10 @@ What "bounded" means here, checked for each:
   received), whatever the rank printed;
 - the kernel keeps answering: its control channel replies within a second at every moment of the
   flood, and a ``1+1`` sent during the flood on a second client is answered within a second of
-  the flood cell's end; an endless flood ends within seconds of an interrupt. (ipykernel runs one cell at a time on the shell channel, so while the
-  launch cell runs a ``1+1`` can only wait its turn; what it must not do is wait behind a
-  backlog of gigabytes of queued output, as it did.);
+  the flood cell's end; an endless flood ends within seconds of an interrupt. (ipykernel runs
+  one cell at a time on the shell channel, so while the launch cell runs a ``1+1`` can only
+  wait its turn; what it must not do is wait behind a backlog of gigabytes of queued output,
+  as it did.);
 - the long line reaches the view cut, with the number of bytes dropped, and the end of the
   500k lines is shown;
 - the rank's log file has every byte.
@@ -175,6 +176,7 @@ def test_one_50_mb_line(kernel):
     text = shown_text(kernel, cell)
     assert f"[line cut here: {LINE - (1 << 16):,} more bytes not shown" in text
     assert "after the long line" in text
+    assert f"full output of every rank: {kernel.logs}/" in text  # the summary says where
     data = log_of(kernel)
     assert len(data) == LINE + 1 + len("after the long line\n")
     assert data.startswith(b"Sxxx") and data.endswith(b"xxE\nafter the long line\n")

@@ -2,10 +2,11 @@
 
 One loop in the launching thread waits on all ranks' pipes and exit sentinels at once. Output is
 cut into whole lines per rank and stream before it reaches the view, so lines are never split or
-interleaved (a line past 64 KiB is cut short with a note; every byte goes to the rank's log file,
-``launch/output_logs``). The loop notices the first failure and stops the other ranks, enforces the timeout
-(collecting each live rank's Python stack first), and on an interrupt stops every rank before
-re-raising. Whatever happens, every rank is reaped before :meth:`Relay.run` returns or raises.
+interleaved (a line past 64 KiB is cut short with a note; every byte goes to the rank's log
+file, ``launch/output_logs``). The loop notices the first failure and stops the other ranks,
+enforces the timeout (collecting each live rank's Python stack first), and on an interrupt stops
+every rank before re-raising. Whatever happens, every rank is reaped before :meth:`Relay.run`
+returns or raises.
 """
 
 from __future__ import annotations
