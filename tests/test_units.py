@@ -16,7 +16,7 @@ from nbaccel.core.config import ConfigError, ConfigTypeError, LaunchConfig
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.hardware import GPU
 from nbaccel.launch import plan
-from nbaccel.launch.lines import MAX_PARTIAL_LINE, LineSplitter
+from nbaccel.launch.lines import LINE_LIMIT, LineSplitter
 from nbaccel.rank import exit as rank_exit
 
 # -- output lines ---------------------------------------------------------------------------
@@ -40,10 +40,39 @@ def test_invalid_utf8_is_replaced_not_raised():
     assert LineSplitter().feed(b"caf\xe9\n") == ["caf\ufffd"]
 
 
-def test_a_runaway_line_is_emitted_rather_than_hoarded():
+def test_a_runaway_line_is_cut_at_the_limit_with_the_dropped_bytes_counted():
     s = LineSplitter()
-    out = s.feed(b"x" * (MAX_PARTIAL_LINE + 1))
-    assert len(out) == 1 and len(out[0]) == MAX_PARTIAL_LINE + 1
+    for _ in range(100):  # 6.4 MB of one line, in reads: only the first 64 KiB are kept
+        assert s.feed(b"x" * LINE_LIMIT) == []
+    assert len(s._partial) == LINE_LIMIT and s.pending.endswith("x …")
+    (line,) = s.feed(b"tail\n")
+    assert line.startswith("x" * LINE_LIMIT)
+    assert line.endswith(f" … [line cut here: {99 * LINE_LIMIT + 4:,} more bytes not shown]")
+    assert s.feed(b"next\n") == ["next"]  # the next line is whole again
+
+
+def test_a_cut_line_ends_between_characters_and_names_its_log():
+    class Sink:
+        path, data = "/logs/rank0.stdout.log", b""
+
+        def write(self, data):
+            Sink.data += data
+
+    s = LineSplitter(limit=5, sink=Sink())
+    raw = "abcdé and more".encode() + b"\n"  # the limit falls inside the two bytes of "é"
+    assert s.feed(raw) == [
+        "abcd … [line cut here: 11 more bytes not shown; the whole line is in "
+        "/logs/rank0.stdout.log]"
+    ]
+    assert Sink.data == raw
+
+
+def test_progress_lines_past_the_limit_keep_what_follows_the_last_carriage_return():
+    s = LineSplitter(limit=100)
+    for i in range(50):  # a bar redrawn in place, never a newline
+        s.feed(f"\rstep {i:4d} ".encode() + b"=" * 20)
+    assert s.pending == "step   49 " + "=" * 20
+    assert s.flush() == ["step   49 " + "=" * 20]
 
 
 # -- how ranks end ----------------------------------------------------------------------------

@@ -141,10 +141,41 @@ def test_chart_legend_in_rank_order_and_readable_axis_labels():
 def test_pane_keeps_the_last_lines_and_counts_dropped_ones():
     buf = panes.PaneBuffer()
     buf.extend("stdout", [f"line {i}" for i in range(1500)])
-    html = panes.pane_html(0, buf)
-    assert "data-dropped='500'" in html and "500 earlier lines dropped" in html
-    assert "line 1499" in html and "line 499<" not in html
-    assert "flex-direction:column-reverse" in html  # the box stays at the newest line
+    assert buf.dropped == 500 and buf.lines()[0] == "line 500"
+    view = panes.PaneView(0, lambda cls, **traits: cls(**traits))
+    changes = view.changes(buf)
+    text = "".join(str(v) for _, name, v in changes if name == "value")
+    assert "500 earlier lines dropped" in text
+    assert "line 1499" in text and "line 499<" not in text
+    children = next(v for w, name, v in changes if name == "children")
+    assert len(children) == 1000 // panes.BLOCK_LINES
+    assert view.box.layout.flex_flow == "column-reverse"  # the box stays at the newest line
+
+
+def test_pane_update_sends_only_the_blocks_that_changed():
+    buf = panes.PaneBuffer()
+    made = []
+    view = panes.PaneView(0, lambda cls, **traits: made.append(cls(**traits)) or made[-1])
+
+    def update() -> list[str]:
+        """Apply the changes as the dashboard does; the values that were new."""
+        sent = []
+        del made[:]
+        for widget, name, value in view.changes(buf):
+            if getattr(widget, name) != value:
+                setattr(widget, name, value)
+                sent.append(value)
+        return sent
+
+    buf.extend("stdout", [f"line {i}" for i in range(2000)])
+    assert len(update()) == 2 and len(made) == 1000 // panes.BLOCK_LINES  # blocks, with text
+    buf.extend("stdout", ["one more"])
+    sent = update()  # the new newest block, children (one block scrolled out), the note
+    assert len(sent) == 3 and not made  # a block scrolled out is reused for the new one
+    assert "one more" in sent[0] and "line 1999" not in sent[0]
+    buf.extend("stdout", ["and another"])
+    (block,) = update()  # just the newest block: the oldest shown block stays whole
+    assert "one more" in block and "and another" in block and len(block) < 500
 
 
 def test_line_splitter_shows_partial_lines_and_drops_torch_rank_prefix():

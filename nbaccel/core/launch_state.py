@@ -278,10 +278,22 @@ class LaunchState:
     )
     stacks_requested_at: float | None = None  # when the kernel last asked stalled ranks for stacks
     longest_stall: float = 0.0  # the longest stall seen so far, in seconds (for the summary)
+    log_folder: str | None = None  # where every rank's full output is (made at its first byte)
+    log_problem: str = ""  # why some output is not in the log files ("" when all of it is)
 
     @property
     def elapsed(self) -> float:
         return (self.ended_at or time.monotonic()) - self.started_at
+
+    def log_path(self, rank: int, stream: str) -> str | None:
+        """The file with every byte ``rank`` wrote to ``stream`` (None before its folder exists).
+
+        >>> LaunchState(None, {}, log_folder="/logs").log_path(1, "stderr")
+        '/logs/rank1.stderr.log'
+        """
+        if self.log_folder is None:
+            return None
+        return os.path.join(self.log_folder, f"rank{rank}.{stream}.log")
 
     def _ordered(self) -> list[RankState]:
         return sorted(self.ranks.values(), key=lambda r: r.rank)

@@ -2,9 +2,11 @@
 
 One loop in the launching thread waits on all ranks' pipes and exit sentinels at once. Output is
 cut into whole lines per rank and stream before it reaches the view, so lines are never split or
-interleaved. The loop notices the first failure and stops the other ranks, enforces the timeout
-(collecting each live rank's Python stack first), and on an interrupt stops every rank before
-re-raising. Whatever happens, every rank is reaped before :meth:`Relay.run` returns or raises.
+interleaved (a line past 64 KiB is cut short with a note; every byte goes to the rank's log
+file, ``launch/output_logs``). The loop notices the first failure and stops the other ranks,
+enforces the timeout (collecting each live rank's Python stack first), and on an interrupt stops
+every rank before re-raising. Whatever happens, every rank is reaped before :meth:`Relay.run`
+returns or raises.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from nbaccel.launch import root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning, sigint_deferred
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
+from nbaccel.launch.output_logs import LaunchLogs
 from nbaccel.ui import View
 
 TICK = 0.05  # seconds between view updates while nothing arrives
@@ -47,6 +50,7 @@ class Relay:
         self._ended: dict[int, str] = {}  # ranks whose function ended well: "returned", ...
         self._leftovers: list[tuple[int, str, int | None]] = []  # (pid, command, rank)
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
+        self._logs = LaunchLogs(state)  # every byte of stdout/stderr, whatever the view shows
         self.selector = selectors.DefaultSelector()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -142,7 +146,10 @@ class Relay:
         return True
 
     def _splitter(self, rank: int, stream: str) -> LineSplitter:
-        return self._splitters.setdefault((rank, stream), LineSplitter())
+        key = (rank, stream)
+        if key not in self._splitters:
+            self._splitters[key] = LineSplitter(sink=self._logs.file(rank, stream))
+        return self._splitters[key]
 
     def _emit_lines(self, rank: int, stream: str, lines: list[str]) -> None:
         if lines:

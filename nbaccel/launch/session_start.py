@@ -42,6 +42,7 @@ class CellTextView(TextView):
         self._last_progress = time.monotonic()
 
     def finish(self) -> None:
+        self._print_skipped(force=True)
         self._flush()
 
 

@@ -4,7 +4,8 @@ Layout: one HTML widget holds the header (what the ranks run, elapsed), the run 
 epochs, summed rates, overall ETA), a stall notice, the per-rank table (status, straggler mark,
 bar, rate, ETA, memory, metrics, a failed rank's error line) and the metric charts (inline SVG),
 so the table and the charts always come from the same moment. Each rank's output has its own
-pane that follows the tail.
+pane that follows the tail: its last lines, bounded in size, in blocks of widgets of which an
+update sends only those that changed (``ui/panes.py``); every line is in the rank's log file.
 
 Why so few widgets: every widget that changes costs one iopub message, and a launch may step
 thousands of times a second on many ranks. The dashboard coalesces all changes and pushes at most
@@ -69,12 +70,13 @@ class Dashboard:
         ranks = sorted(state.ranks)
         self._outputs = {r: panes.PaneBuffer() for r in ranks}
         self._table = self._make(w.HTML, value=self._table_html(time.monotonic()))
-        self._panes: dict[int, Any] = {}
+        self._panes: dict[int, panes.PaneView] = {}
         boxes = []
         for r in ranks:
-            pane = self._make(w.HTML, value=panes.pane_html(r, self._outputs[r]))
-            self._panes[r] = pane
-            boxes.append(self._pane_box(w, r, pane))
+            pane = self._panes[r] = panes.PaneView(r, self._make)
+            for widget, name, value in pane.changes(self._outputs[r]):
+                setattr(widget, name, value)  # before it is displayed
+            boxes.append(self._pane_box(w, r, pane.widget))
         pane_grid = self._make(w.HBox, children=boxes, layout={"flex_flow": "row wrap"})
         self._root = self._make(w.VBox, children=[self._table, pane_grid], layout={"width": "100%"})
         self._root.add_class("nbaccel-dashboard")
@@ -138,8 +140,9 @@ class Dashboard:
         while self._dirty_panes and (final or self._tokens >= 1):
             rank = self._dirty_panes.pop(0)
             if rank in self._panes:
-                html = panes.pane_html(rank, self._outputs[rank])
-                self._set(self._panes[rank], "value", html, True)
+                changes = self._panes[rank].changes(self._outputs[rank], state.log_path(rank, "*"))
+                for widget, name, value in changes:
+                    self._set(widget, name, value, True)
 
     def _set(self, widget: Any, name: str, value: Any, force: bool) -> bool:
         """Set one trait if it changed and the budget allows (or ``force``); report whether the

@@ -235,6 +235,14 @@ def _rows(state: LaunchState) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def logs_line(state: LaunchState) -> str:
+    """Where every rank's full output is, for the summary ("" when nothing was printed)."""
+    if state.log_folder is None:
+        return f"rank output not kept: {state.log_problem}" if state.log_problem else ""
+    problem = f" (incomplete: {state.log_problem})" if state.log_problem else ""
+    return f"full output of every rank: {state.log_folder}/rank*.log{problem}"
+
+
 def headline(state: LaunchState) -> str:
     outcome = state.outcome or "running"
     took = format_seconds(state.elapsed)
@@ -252,6 +260,8 @@ def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if state.longest_stall:
         lines.append(f"  {stall_summary(state)}")
+    if logs_line(state):
+        lines.append(f"  {logs_line(state)}")
     for rank, tail in sorted((outputs or {}).items()):
         if tail:
             lines.append(f"-- rank {rank} output (last {min(len(tail), TEXT_TAIL)} lines) --")
@@ -284,6 +294,8 @@ def summary_html(
         extra = f"<div class='nbaccel-run'>{html.escape(run_line(state))}</div>"
     if state.longest_stall:
         extra += f"<div class='nbaccel-stall'>{html.escape(stall_summary(state))}</div>"
+    if logs_line(state):
+        extra += f"<div class='nbaccel-logs'><code>{html.escape(logs_line(state))}</code></div>"
     table = (
         "<table style='border-collapse:collapse;font-family:monospace;margin:0'>"
         f"<tr>{head}</tr>{''.join(body)}</table>"

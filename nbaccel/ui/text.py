@@ -1,6 +1,7 @@
-"""The plain-text view: labelled rank output as it arrives, a run line and per-rank progress lines
-at a bounded rate, a stall notice, and the final summary as text. Works in every frontend and in
-plain scripts."""
+"""The plain-text view: labelled rank output as it arrives (within a budget, so a flood prints a
+bounded amount: :mod:`nbaccel.ui.budget`), a run line and per-rank progress lines at a bounded
+rate, a stall notice, and the final summary as text. Works in every frontend and in plain
+scripts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import time
 
 from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX, LaunchState, line_label
+from nbaccel.ui.budget import OutputBudget
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import (
     STRAGGLER_MARK,
@@ -29,7 +31,8 @@ class TextView:
 
     ``progress_interval`` bounds how often progress lines are printed (seconds), whatever the
     ranks' step rate. An unfinished line (``print("\\rstep 5", end="")``) is printed once it has
-    not changed for a second.
+    not changed for a second. Past the output budget, lines are skipped with a note of how many
+    and where all of them are (the rank's log file), and the last ones are printed after.
 
     Example::
 
@@ -48,6 +51,7 @@ class TextView:
         self._stall_shown, self._stall_reprint_at = "", 0.0
         self._settings_shown = False
         self._memory = MemorySampler()
+        self._budget = OutputBudget()
 
     def start(self, state: LaunchState) -> None:
         self._state = state
@@ -65,9 +69,27 @@ class TextView:
         if shown is not None and lines:
             rest = _rest(shown, lines[0])
             lines = lines[1:] if rest is None else [rest, *lines[1:]]
+        skipped, lines = self._budget.admit(key, lines)
+        notes = [self._skip_note(rank, stream, skipped)] if skipped else []
+        self._write(rank, stream, notes + lines)
+
+    def _write(self, rank: int, stream: str, lines: list[str]) -> None:
         target = sys.stderr if stream == "stderr" else sys.stdout
         label = self._label(rank)
         target.write("".join(f"{label}{line}\n" for line in lines))
+
+    def _skip_note(self, rank: int, stream: str, count: int) -> str:
+        path = self._state.log_path(rank, stream) if self._state is not None else None
+        where = f"; every line is in {path}" if path else ""
+        return f"… {count:,} lines not shown here (too much output){where}"
+
+    def _print_skipped(self, force: bool = False) -> None:
+        """Skipped lines' note and last lines, once the budget is back (or at the end)."""
+        for (rank, stream), gap in self._budget.take_gaps(force):
+            note = self._skip_note(rank, stream, gap.count)
+            if len(gap.tail) < gap.count:
+                note += f"; the last {len(gap.tail)}:"
+            self._write(rank, stream, [note, *gap.tail])
 
     def _label(self, rank: int) -> str:
         if self._state is None:  # output before start(): the default labels
@@ -84,6 +106,7 @@ class TextView:
 
     def update(self) -> None:
         now = time.monotonic()
+        self._print_skipped()
         self._print_quiet_partials(now)
         self._print_settings()
         if now - self._last_flush >= 0.1:
@@ -145,6 +168,7 @@ class TextView:
             print(f"nbaccel: the ranks run {changed} (set in code)", file=sys.stdout)
 
     def finish(self) -> None:
+        self._print_skipped(force=True)
         self._print_settings()
         if self._state is not None and self.show_progress:
             self._memory.sample(self._state, force=True)
