@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
-from nbaccel.core.config import LaunchConfig
+from nbaccel.core.config import LaunchConfig, third_party_env
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX
@@ -122,6 +122,9 @@ def _set_environment(cfg: LaunchConfig, nprocs: int) -> None:
     os.environ.update(
         rendezvous.launcher_environment(cfg.worker_env(), "cli", cfg.main_process_ip, one_machine)
     )
+    device = "cuda" if hardware.detect().gpu_count else "cpu"  # what the ranks' Accelerator picks
+    for key, value in third_party_env(device).items():
+        os.environ.setdefault(key, value)
     os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = DEFAULT_LINE_PREFIX
     os.environ["PYTHONUNBUFFERED"] = "1"  # lines reach the labelled output as they are printed
     if "OMP_NUM_THREADS" not in os.environ:

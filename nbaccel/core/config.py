@@ -36,6 +36,21 @@ ENV_CONFIG_FILE = "NBACCEL_CONFIG_FILE"
 ENV_LAUNCHER = "NBACCEL_LAUNCHER"
 
 
+# Accelerate (and transformers' Trainer, through it) runs distributed on CPU ranks only when told
+# (`cpu=True` or this variable); otherwise each CPU rank is "process 0 of 1" and trains alone.
+ENV_ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
+
+
+def third_party_env(device: str) -> dict[str, str]:
+    """What other libraries in the ranks read to see the launch as nbaccel runs it: on CPU
+    ranks, Accelerate's ``ACCELERATE_USE_CPU``.
+
+    >>> third_party_env("cpu"), third_party_env("cuda")
+    ({'ACCELERATE_USE_CPU': 'true'}, {})
+    """
+    return {ENV_ACCELERATE_USE_CPU: "true"} if device == "cpu" else {}
+
+
 class ConfigError(ValueError):
     """A configuration value or file is wrong; the message says where and what to do."""
 

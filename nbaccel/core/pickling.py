@@ -12,6 +12,7 @@ import io
 import linecache
 import os
 import types
+import weakref
 from typing import Any
 
 import cloudpickle
@@ -20,11 +21,76 @@ _code_reduce = getattr(cloudpickle.Pickler, "_dispatch_table", {}).get(types.Cod
 _MAX_SOURCE_BYTES = 4 << 20
 
 
+# Hugging Face objects that hold the process state of where they were made. Made in the kernel,
+# that state is "process 0 of 1": unpickled as it is, every rank would train alone on all the
+# data, silently.
+_TRAINING_ARGUMENTS = ("transformers.training_args", "TrainingArguments")
+_PROCESS_STATES = {
+    ("accelerate.state", "PartialState"): "PartialState()",
+    ("accelerate.state", "AcceleratorState"): "AcceleratorState()",
+    ("accelerate.accelerator", "Accelerator"): "Accelerator()",
+}
+# What TrainingArguments caches about its process (transformers 4.x-5.x): without these, the
+# copy sets its devices up again, in the rank, the first time it is asked.
+_TRAINING_ARGUMENTS_CACHE = ("_setup_devices", "distributed_state", "_n_gpu")
+
+
+# Every pickled object asks: cached per class (weakly: a notebook redefines its classes).
+_KIND_OF_TYPE: weakref.WeakKeyDictionary[type, tuple[str, str] | None] = weakref.WeakKeyDictionary()
+
+
+def _defined_as(obj: Any) -> tuple[str, str] | None:
+    cls = type(obj)
+    if cls not in _KIND_OF_TYPE:
+        keys = ((k.__module__, k.__qualname__) for k in cls.__mro__)
+        _KIND_OF_TYPE[cls] = next(
+            (key for key in keys if key == _TRAINING_ARGUMENTS or key in _PROCESS_STATES), None
+        )
+    return _KIND_OF_TYPE[cls]
+
+
+def _with_state(cls: type, state: dict[str, Any]) -> Any:
+    """Unpickle ``cls`` with ``state`` and without running ``__init__`` (pickle's default)."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def _training_arguments_here(cls: type, state: dict[str, Any]) -> Any:
+    """The TrainingArguments, set up for this process as its ``__post_init__`` sets them up
+    where they are made (it asks for ``.device``): in a rank, that is the rank's world."""
+    obj = _with_state(cls, state)
+    obj.device  # noqa: B018 - the property sets up the process state
+    return obj
+
+
+def _kernel_state_reduce(obj: Any, key: tuple[str, str]) -> Any:
+    if key == _TRAINING_ARGUMENTS:
+        state = {k: v for k, v in vars(obj).items() if k not in _TRAINING_ARGUMENTS_CACHE}
+        state["distributed_state"] = None
+        return _training_arguments_here, (type(obj), state)
+    if getattr(obj, "num_processes", 1) > 1:  # made in a rank (a returned value): as it is
+        return NotImplemented
+    made = _PROCESS_STATES[key]
+    error = TypeError(
+        f"an Accelerate {made} made in the kernel cannot be sent to the ranks: it holds the "
+        "kernel's process state (process 0 of 1), so every rank would train alone on all the "
+        f"data. Create {made} inside the training function, where each rank makes its own."
+    )
+    error.nbaccel_hint = True  # type: ignore[attr-defined]  # the launch: message is complete
+    raise error
+
+
 class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if _code_reduce is not None and isinstance(obj, types.CodeType):
             func, args = _code_reduce(obj)[:2]
             return func, tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
+        key = _defined_as(obj) if not isinstance(obj, type) else None
+        if key is not None:
+            reduced = _kernel_state_reduce(obj, key)
+            if reduced is not NotImplemented:
+                return reduced
         return super().reducer_override(obj)
 
 

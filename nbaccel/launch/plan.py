@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
-from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int
+from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int, third_party_env
 from nbaccel.core.events import RankSpec
 from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
 from nbaccel.launch import xla
@@ -321,6 +321,8 @@ def _worker_env(
         else:
             env[key] = str(value)
     one_machine = info.world_size == info.num_processes
+    for key, value in third_party_env(info.device).items():
+        env.setdefault(key, value)  # the user's own setting (env= or the kernel's) wins
     env.update(
         rendezvous.launcher_environment(cfg.worker_env(), "notebook", info.master_addr, one_machine)
     )
