@@ -13,7 +13,9 @@ agent, rendezvous and restarts are torchrun's, not a copy. What nbaccel adds aro
   that stops what the script started, also when this process is SIGKILLed, and this process is
   a child subreaper for what a SIGKILLed guard leaves;
 * a free port is picked for single-machine launches, OMP_NUM_THREADS is shared out between the
-  ranks, and NBACCEL_* variables carry precision, strategy and accumulation to ``Accelerator()``.
+  ranks, and NBACCEL_* variables carry precision, strategy and accumulation to ``Accelerator()``;
+* the static rendezvous listens only on the address ranks meet at (loopback on one machine) and
+  gives each restart a fresh store (:mod:`nbaccel.cli.elastic_rendezvous`).
 
 Example::
 
@@ -69,25 +71,24 @@ def torchrun_arguments(
     cfg: LaunchConfig, nprocs: int, port: int, log_dir: str, target: list[str]
 ) -> list[str]:
     """The torch.distributed.run command line (without the program name) for this launch."""
+    from nbaccel.cli.elastic_rendezvous import BACKEND  # imports torch
+
+    static = cfg.rdzv_backend == "static"
     argv = [
         f"--nnodes={cfg.num_machines}",
         f"--nproc-per-node={nprocs}",
-        f"--rdzv-backend={cfg.rdzv_backend}",
+        # static: elastic's, with a fresh loopback-only store per restart (elastic_rendezvous)
+        f"--rdzv-backend={BACKEND if static else cfg.rdzv_backend}",
+        f"--rdzv-endpoint={cfg.main_process_ip}:{port}",
+        "--rdzv-id=nbaccel",
         f"--max-restarts={cfg.max_restarts}",
         # Workers write to files that the agent tails onto our stdout/stderr, labelled.
         "--redirects=3",
         "--tee=3",
         f"--log-dir={log_dir}",
     ]
-    if cfg.rdzv_backend == "static":
-        argv += [
-            f"--node-rank={cfg.machine_rank}",
-            f"--master-addr={cfg.main_process_ip}",
-            f"--master-port={port}",
-        ]
-    else:
-        # c10d numbers the machines itself; machine_rank is not needed.
-        argv += [f"--rdzv-endpoint={cfg.main_process_ip}:{port}", "--rdzv-id=nbaccel"]
+    if static:  # c10d numbers the machines itself; machine_rank is not needed.
+        argv.append(f"--rdzv-conf=rank={cfg.machine_rank}")
     return [*argv, "--module", ENTRY_MODULE, *target]
 
 
@@ -105,6 +106,14 @@ def _resolve_port(cfg: LaunchConfig) -> int:
     except OSError as exc:  # a name that does not resolve, or no address of this machine
         message = rendezvous.unusable_address("--main_process_ip", cfg.main_process_ip, exc)
         raise UsageError(message) from None
+
+
+def _meeting_point(cfg: LaunchConfig, port: int) -> str:
+    """Where the ranks meet, as the banner says it: machine 0 listens there, only there."""
+    if cfg.machine_rank == 0 and cfg.rdzv_backend == "static":
+        listen = rendezvous.listen_address(cfg.main_process_ip)
+        return f"rendezvous on {rendezvous.describe_listening(listen, port)}"
+    return f"rendezvous at {cfg.main_process_ip}:{port}"
 
 
 def _check_target(args: argparse.Namespace) -> list[str]:
@@ -188,6 +197,10 @@ def launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from nbaccel.cli import elastic_rendezvous
+
+    elastic_rendezvous.register()
+
     _set_environment(cfg, nprocs)
     _quiet_elastic_logs()
     log_dir = tempfile.mkdtemp(prefix="nbaccel-launch-")
@@ -202,7 +215,7 @@ def launch(args: argparse.Namespace) -> int:
             f"nbaccel: launching {nprocs} process{'es' if nprocs > 1 else ''} on machine "
             f"{cfg.machine_rank} of {cfg.num_machines} (world size {world_size}), "
             f"mixed_precision={cfg.mixed_precision}, strategy={cfg.strategy}, "
-            f"{cfg.main_process_ip}:{port}",
+            f"{_meeting_point(cfg, port)}",
             flush=True,
         )
         torch_run.run(torch_args)
