@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
+from nbaccel.core import capacity, deepspeed_settings, fsdp_settings, hardware, rendezvous
 from nbaccel.core.config import LaunchConfig
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.core.failures import describe_exit, describe_raise
@@ -190,8 +190,13 @@ def launch(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     target = _check_target(args)
     port = _resolve_port(cfg)
-    nprocs = cfg.num_processes or hardware.detect().gpu_count or 1
+    gpus = hardware.detect().gpu_count
+    nprocs = cfg.num_processes or gpus or 1
     world_size = nprocs * cfg.num_machines
+    try:
+        capacity.check_process_count(nprocs, world_size, not gpus, name="--num_processes")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
