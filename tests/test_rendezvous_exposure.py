@@ -102,6 +102,7 @@ def outside():
             _ip("netns", "del", name)
 
 
+@pytest.mark.slow
 def test_outside_reaches_a_store_torch_starts_itself(outside):
     """The probe works: torch's own store (every interface) is reached from outside."""
     import torch.distributed as dist
@@ -204,3 +205,22 @@ def test_cli_launch_stores_refuse_outside(outside, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow  # imports torch.distributed
+def test_across_machines_the_store_listens_on_machine_zeros_address_only():
+    from nbaccel.core import rendezvous
+
+    own = [a for a in _own_addresses() if ":" not in a]
+    if not own:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    address = own[0]
+    assert rendezvous.listen_address(address) == address
+    assert rendezvous.listen_address("203.0.113.9") == ""  # not this machine's (NAT): every one
+    store = rendezvous.serve_store(address, 0)
+    try:
+        assert Outside._connects(address, store.port)
+        assert not Outside._connects("127.0.0.1", store.port)
+        assert rendezvous.describe_listening(address, store.port).endswith("(only that interface)")
+    finally:
+        del store
