@@ -9,7 +9,7 @@ ranks that start and then fail with ``Too many open files`` deep in a relay. Wha
 * open files in each rank: a gloo mesh holds a socket per peer and rank 0's store a
   connection per rank (2 per rank of the world);
 * tasks (processes and threads, what ``pid_max``, ``threads-max`` and ``RLIMIT_NPROC`` count):
-  a rank runs several threads;
+  a rank runs several threads (counted as 4);
 * for CPU ranks, cores: beyond :data:`CPU_RANKS_PER_CORE` ranks a core they mostly wait for
   each other. ``NBACCEL_MAX_CPU_PROCESSES=N`` in the environment allows up to N anyway.
 
@@ -44,29 +44,32 @@ def _file_limit() -> tuple[int, int] | None:
     return (soft, hard) if soft != resource.RLIM_INFINITY else None
 
 
-def _task_room() -> tuple[int, int] | None:
-    """(tasks this machine and user may run, tasks running now), where Linux says."""
-    limits = []
-    for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"):
-        try:
+def _task_room() -> tuple[int, str] | None:
+    """How many more tasks may start here, and which limit says so, where Linux tells.
+
+    The machine's (``pid_max``, ``threads-max``) less every task running now; the user's
+    ``RLIMIT_NPROC`` whole (their own tasks are not counted: other users' must not refuse a
+    launch), except for root, who is not held to it."""
+    rooms = []
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[1])  # "1/345": every task now
+        for path in ("/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"):
             with open(path) as f:
-                limits.append(int(f.read()))
-        except (OSError, ValueError):
-            pass
+                rooms.append(
+                    (int(f.read()) - running, f"{os.path.basename(path)}, {running} running")
+                )
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-        if soft != resource.RLIM_INFINITY and os.geteuid() != 0:  # root is not held to it
-            limits.append(soft)
+        if soft != resource.RLIM_INFINITY and os.geteuid() != 0:
+            rooms.append((soft, "`ulimit -u`"))
     except (ImportError, AttributeError):
         pass
-    try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[1])  # "1/345": every task now
-    except (OSError, ValueError, IndexError):
-        return None
-    return (min(limits), running) if limits else None
+    return min(rooms) if rooms else None
 
 
 def _cpu_cap() -> tuple[int, bool]:
@@ -118,13 +121,9 @@ def check_process_count(
                 f"here is {soft} (RLIMIT_NOFILE). Start fewer processes (about "
                 f"{max(1, fits)} fit){tail}."
             )
-    tasks = _task_room()
-    if tasks is not None:
-        limit, running = tasks
-        if running + TASKS_PER_RANK * nprocs > limit:
-            raise ValueError(
-                f"{name}={nprocs} needs about {TASKS_PER_RANK * nprocs} processes and threads, "
-                f"and this machine has room for {max(0, limit - running)} more ({running} "
-                f"running, limit {limit}: pid_max, threads-max or `ulimit -u`). Start fewer "
-                "processes."
-            )
+    room = _task_room()
+    if room is not None and TASKS_PER_RANK * nprocs > room[0]:
+        raise ValueError(
+            f"{name}={nprocs} needs about {TASKS_PER_RANK * nprocs} processes and threads, and "
+            f"there is room for {max(0, room[0])} ({room[1]}). Start fewer processes."
+        )
