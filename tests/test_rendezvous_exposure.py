@@ -9,6 +9,7 @@ be refused; every listening socket of the launch's processes must be on loopback
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import shutil
@@ -217,6 +218,11 @@ def test_across_machines_the_store_listens_on_machine_zeros_address_only():
     address = own[0]
     assert rendezvous.listen_address(address) == address
     assert rendezvous.listen_address("203.0.113.9") == ""  # not this machine's (NAT): every one
+    # A machine name /etc/hosts maps to loopback: the other machines reach it at another address.
+    name = socket.gethostname()
+    if ipaddress.ip_address(socket.gethostbyname(name)).is_loopback:
+        assert rendezvous.listen_address(name, one_machine=False) == ""
+        assert rendezvous.listen_address(name, one_machine=True) == socket.gethostbyname(name)
     store = rendezvous.serve_store(address, 0)
     try:
         assert Outside._connects(address, store.port)

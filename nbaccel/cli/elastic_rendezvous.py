@@ -39,7 +39,7 @@ class FreshStoreRendezvous(RendezvousHandler):
 
     def __init__(self, static: StaticTCPRendezvous) -> None:
         self._static = static
-        self._listen = rendezvous.listen_address(static.master_addr)
+        self._listen = rendezvous.listen_address(static.master_addr, static.world_size == 1)
         self._round = 0
         self._agent_server: Any = None
         self._worker_store: Any = None

@@ -111,7 +111,7 @@ def _resolve_port(cfg: LaunchConfig) -> int:
 def _meeting_point(cfg: LaunchConfig, port: int) -> str:
     """Where the ranks meet, as the banner says it: machine 0 listens there, only there."""
     if cfg.machine_rank == 0 and cfg.rdzv_backend == "static":
-        listen = rendezvous.listen_address(cfg.main_process_ip)
+        listen = rendezvous.listen_address(cfg.main_process_ip, cfg.num_machines == 1)
         return f"rendezvous on {rendezvous.describe_listening(listen, port)}"
     return f"rendezvous at {cfg.main_process_ip}:{port}"
 

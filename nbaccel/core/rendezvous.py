@@ -17,6 +17,7 @@ tcp://) then shares that server, because it asks for a *multi-tenant* store on t
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 from typing import Any
@@ -66,13 +67,14 @@ def check_port(host: str, port: int) -> None:
             ) from None
 
 
-def listen_address(master_addr: str) -> str:
+def listen_address(master_addr: str, one_machine: bool = True) -> str:
     """Where the rendezvous listens: ``master_addr``'s own address when it is one of this
     machine's (loopback for a single-machine launch, the interface the other machines reach on
-    several), else ``""``, every interface (machine 0 behind NAT knows no address of its own
-    that the others use).
+    several), else ``""``, every interface: machine 0 behind NAT knows no address of its own
+    that the others use, and a machine name that ``/etc/hosts`` maps to loopback (Debian's
+    127.0.1.1) is reached elsewhere by the other machines.
 
-    >>> listen_address("127.0.0.1"), listen_address("localhost")
+    >>> listen_address("127.0.0.1"), listen_address("localhost", one_machine=False)
     ('127.0.0.1', '127.0.0.1')
     """
     try:
@@ -81,13 +83,23 @@ def listen_address(master_addr: str) -> str:
         return ""
     # IPv4 first: "localhost" names both, and a client tries 127.0.0.1 first.
     for family, _, _, _, sockaddr in sorted(found, key=lambda f: f[0] != socket.AF_INET):
+        address = str(sockaddr[0])
+        if _is_loopback(address) and not one_machine and master_addr not in hardware.LOOPBACK_HOSTS:
+            return ""
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
-                s.bind((sockaddr[0], 0))
+                s.bind((address, 0))
             except OSError:
                 continue
-        return str(sockaddr[0])
+        return address
     return ""
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def describe_listening(host: str, port: int) -> str:
@@ -98,7 +110,7 @@ def describe_listening(host: str, port: int) -> str:
     """
     if not host:
         return f"port {port} on every interface (machine 0 has no address of its own to bind)"
-    if host in hardware.LOOPBACK_HOSTS:
+    if _is_loopback(host):
         return f"{host}:{port} (loopback only)"
     return f"{host}:{port} (only that interface)"
 
@@ -161,7 +173,7 @@ def host_rank_store() -> None:
             f"({exc.strerror or exc}): another program took the port after the launch picked "
             "it. Launch again (use_port='auto' picks a new port)."
         ) from None
-    if host not in hardware.LOOPBACK_HOSTS:
+    if not _is_loopback(host):
         print(f"nbaccel: the rendezvous listens on {describe_listening(host, port)}", flush=True)
 
 
@@ -173,7 +185,7 @@ def launcher_environment(
     NCCL kept on loopback on one machine (their own listeners bind to that interface)."""
     env = dict(settings)
     env[ENV_LAUNCHER] = launcher
-    env[ENV_LISTEN_ADDR] = listen_address(master_addr)
+    env[ENV_LISTEN_ADDR] = listen_address(master_addr, one_machine)
     if one_machine and master_addr in hardware.LOOPBACK_HOSTS:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env[name] = os.environ.get(name, hardware.loopback_interface())
