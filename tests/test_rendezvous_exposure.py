@@ -176,14 +176,15 @@ HOLD = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_cli_launch_stores_refuse_outside(outside, tmp_path):
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_cli_launch_stores_refuse_outside(outside, tmp_path, backend):
     script = tmp_path / "hold.py"
     script.write_text(HOLD)
     go = tmp_path / "go"
     agent_port = free_port()
     proc = start_cli(
-        "launch", "--num_processes", "2", "--main_process_port", str(agent_port), str(script),
-        str(go), cwd=tmp_path,
+        "launch", "--num_processes", "2", "--main_process_port", str(agent_port),
+        "--rdzv_backend", backend, str(script), str(go), cwd=tmp_path,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120

@@ -14,8 +14,9 @@ agent, rendezvous and restarts are torchrun's, not a copy. What nbaccel adds aro
   a child subreaper for what a SIGKILLed guard leaves;
 * a free port is picked for single-machine launches, OMP_NUM_THREADS is shared out between the
   ranks, and NBACCEL_* variables carry precision, strategy and accumulation to ``Accelerator()``;
-* the static rendezvous listens only on the address ranks meet at (loopback on one machine) and
-  gives each restart a fresh store (:mod:`nbaccel.cli.elastic_rendezvous`).
+* the static rendezvous (also for ``--rdzv_backend c10d`` on one machine) listens only on the
+  address ranks meet at (loopback on one machine) and gives each restart a fresh store
+  (:mod:`nbaccel.cli.elastic_rendezvous`).
 
 Example::
 
@@ -67,13 +68,20 @@ def resolve_config(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
+def uses_static_rendezvous(cfg: LaunchConfig) -> bool:
+    """Whether the launch meets through nbaccel's static rendezvous: asked for, or on one
+    machine, where c10d's elastic membership changes nothing (and its stores would listen on
+    every interface)."""
+    return cfg.rdzv_backend == "static" or cfg.num_machines == 1
+
+
 def torchrun_arguments(
     cfg: LaunchConfig, nprocs: int, port: int, log_dir: str, target: list[str]
 ) -> list[str]:
     """The torch.distributed.run command line (without the program name) for this launch."""
     from nbaccel.cli.elastic_rendezvous import BACKEND  # imports torch
 
-    static = cfg.rdzv_backend == "static"
+    static = uses_static_rendezvous(cfg)
     argv = [
         f"--nnodes={cfg.num_machines}",
         f"--nproc-per-node={nprocs}",
@@ -110,7 +118,7 @@ def _resolve_port(cfg: LaunchConfig) -> int:
 
 def _meeting_point(cfg: LaunchConfig, port: int) -> str:
     """Where the ranks meet, as the banner says it: machine 0 listens there, only there."""
-    if cfg.machine_rank == 0 and cfg.rdzv_backend == "static":
+    if cfg.machine_rank == 0 and uses_static_rendezvous(cfg):
         listen = rendezvous.listen_address(cfg.main_process_ip, cfg.num_machines == 1)
         return f"rendezvous on {rendezvous.describe_listening(listen, port)}"
     return f"rendezvous at {cfg.main_process_ip}:{port}"
