@@ -54,9 +54,10 @@ class FreshStoreRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         static = self._static
         if static.rank == 0 and self._agent_server is None:
-            # Elastic's own store on this port is multi-tenant: it shares this server.
+            # Elastic's own store on this port is multi-tenant: it shares this server (and
+            # waits for the other machines' agents itself).
             self._agent_server = rendezvous.serve_store(
-                self._listen, static.master_port, static.world_size, static.timeout, True
+                self._listen, static.master_port, timeout=static.timeout
             )
         info = static.next_rendezvous()
         key = f"nbaccel/worker_store/{self._round}"

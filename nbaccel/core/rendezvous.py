@@ -115,25 +115,14 @@ def describe_listening(host: str, port: int) -> str:
     return f"{host}:{port} (only that interface)"
 
 
-def serve_store(
-    host: str,
-    port: int,
-    world_size: int | None = None,
-    timeout: datetime.timedelta = STORE_TIMEOUT,
-    wait_for_workers: bool = False,
-) -> Any:
+def serve_store(host: str, port: int, timeout: datetime.timedelta = STORE_TIMEOUT) -> Any:
     """Start a torch ``TCPStore`` server that listens on ``host`` only (``""``: every
     interface) and ``port`` (0: a free one, see ``.port``); multi-tenant, so torch's own stores
-    on that port in this process share it. Raises ``OSError`` when the address is taken."""
+    on that port in this process share it (and count the ranks that join, this one counts none).
+    Raises ``OSError`` when the address is taken."""
     import torch.distributed as dist
 
-    options = dict(
-        world_size=world_size,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=wait_for_workers,
-        multi_tenant=True,
-    )
+    options = dict(is_master=True, timeout=timeout, wait_for_workers=False, multi_tenant=True)
     if not host:
         return dist.TCPStore("127.0.0.1", port, **options)
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
