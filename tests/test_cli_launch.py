@@ -179,6 +179,10 @@ def test_bad_input_starts_nothing(tmp_path):
     assert f"{broken}, line 2: unknown key 'precision'" in bad_file.stderr
     assert "launching" not in bad_file.stdout
 
+    too_many = run_cli("launch", "--num_processes", "10000", "ok.py", cwd=tmp_path)
+    assert too_many.returncode == 2 and "launching" not in too_many.stdout
+    assert "nbaccel launch: error: --num_processes=10000 CPU processes" in too_many.stderr
+
     no_host = run_cli("launch", "--main_process_ip", "no.such.host.invalid", "ok.py", cwd=tmp_path)
     assert no_host.returncode == 2 and "Traceback" not in no_host.stderr
     assert "--main_process_ip='no.such.host.invalid' cannot be used" in no_host.stderr
@@ -204,3 +208,31 @@ def test_tqdm_bars_become_whole_labelled_lines(tmp_path):
             line.startswith(f"[rank{rank}] work: 100%") and "30/30" in line for line in lines
         )
         assert f"[rank{rank}] done" in lines
+
+
+@pytest.mark.slow
+def test_twenty_restarts_in_a_row(tmp_path):
+    """Each attempt's group forms afresh: elastic's one store for every attempt gave the next
+    group the last one's gloo addresses (Connection refused) or barrier counts (a hang)."""
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os
+            import torch, torch.distributed as dist
+            attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+            dist.init_process_group("gloo")
+            t = torch.ones(1)
+            dist.all_reduce(t)  # the mesh of this attempt works
+            if attempt < 20 and dist.get_rank() == attempt % 2:
+                raise SystemExit(f"fails on attempt {attempt}")
+            print(f"attempt {attempt} sum {t.item():g}")
+            """
+        )
+    )
+    # torchrun's flag names, as a torchrun command line would give them
+    args = ("--nproc-per-node", "2", "--max-restarts", "20", str(script))
+    result = run_cli("launch", *args, cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[rank0] attempt 20 sum 2" in result.stdout.splitlines()
+    assert not processes_mentioning(str(script))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import threading
 
@@ -93,6 +95,25 @@ class TestRejectedBeforeStarting:
     def test_master_addr_that_does_not_resolve(self):
         with pytest.raises(ValueError, match=r"master_addr='no.such.host.invalid' cannot be used"):
             nbaccel.notebook_launcher(noop, num_processes=1, master_addr="no.such.host.invalid")
+
+    def test_far_more_cpu_processes_than_cores(self, monkeypatch):
+        monkeypatch.delenv("NBACCEL_MAX_CPU_PROCESSES", raising=False)
+        cap = 16 * (os.cpu_count() or 1)
+        with pytest.raises(ValueError, match=f"Start at most {cap}, or set NBACCEL_MAX_CPU_"):
+            nbaccel.notebook_launcher(noop, num_processes=cap + 1)
+        with pytest.raises(ValueError, match="num_processes=10000 CPU processes"):
+            nbaccel.notebook_launcher(noop, num_processes=10_000)
+
+    def test_more_processes_than_open_files_allow(self, monkeypatch):
+        monkeypatch.setenv("NBACCEL_MAX_CPU_PROCESSES", "100000")  # past the cores rule
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        low = len(os.listdir("/proc/self/fd")) + 100
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        try:
+            with pytest.raises(ValueError, match=rf"limit here is {low} \(RLIMIT_NOFILE\)"):
+                nbaccel.notebook_launcher(noop, num_processes=30)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     def test_timeout_must_be_positive(self):
         with pytest.raises(ValueError, match="timeout must be a positive number"):

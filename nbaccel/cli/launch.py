@@ -13,7 +13,10 @@ agent, rendezvous and restarts are torchrun's, not a copy. What nbaccel adds aro
   that stops what the script started, also when this process is SIGKILLed, and this process is
   a child subreaper for what a SIGKILLed guard leaves;
 * a free port is picked for single-machine launches, OMP_NUM_THREADS is shared out between the
-  ranks, and NBACCEL_* variables carry precision, strategy and accumulation to ``Accelerator()``.
+  ranks, and NBACCEL_* variables carry precision, strategy and accumulation to ``Accelerator()``;
+* the static rendezvous (also for ``--rdzv_backend c10d`` on one machine) listens only on the
+  address ranks meet at (loopback on one machine) and gives each restart a fresh store
+  (:mod:`nbaccel.cli.elastic_rendezvous`).
 
 Example::
 
@@ -32,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
+from nbaccel.core import capacity, deepspeed_settings, fsdp_settings, hardware, rendezvous
 from nbaccel.core.config import LaunchConfig, third_party_env
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.core.failures import describe_exit, describe_raise
@@ -65,29 +68,35 @@ def resolve_config(args: argparse.Namespace) -> LaunchConfig:
     )
 
 
+def uses_static_rendezvous(cfg: LaunchConfig) -> bool:
+    """Whether the launch meets through nbaccel's static rendezvous: asked for, or on one
+    machine, where c10d's elastic membership changes nothing (and its stores would listen on
+    every interface)."""
+    return cfg.rdzv_backend == "static" or cfg.num_machines == 1
+
+
 def torchrun_arguments(
     cfg: LaunchConfig, nprocs: int, port: int, log_dir: str, target: list[str]
 ) -> list[str]:
     """The torch.distributed.run command line (without the program name) for this launch."""
+    from nbaccel.cli.elastic_rendezvous import BACKEND  # imports torch
+
+    static = uses_static_rendezvous(cfg)
     argv = [
         f"--nnodes={cfg.num_machines}",
         f"--nproc-per-node={nprocs}",
-        f"--rdzv-backend={cfg.rdzv_backend}",
+        # static: elastic's, with a fresh loopback-only store per restart (elastic_rendezvous)
+        f"--rdzv-backend={BACKEND if static else cfg.rdzv_backend}",
+        f"--rdzv-endpoint={cfg.main_process_ip}:{port}",
+        "--rdzv-id=nbaccel",
         f"--max-restarts={cfg.max_restarts}",
         # Workers write to files that the agent tails onto our stdout/stderr, labelled.
         "--redirects=3",
         "--tee=3",
         f"--log-dir={log_dir}",
     ]
-    if cfg.rdzv_backend == "static":
-        argv += [
-            f"--node-rank={cfg.machine_rank}",
-            f"--master-addr={cfg.main_process_ip}",
-            f"--master-port={port}",
-        ]
-    else:
-        # c10d numbers the machines itself; machine_rank is not needed.
-        argv += [f"--rdzv-endpoint={cfg.main_process_ip}:{port}", "--rdzv-id=nbaccel"]
+    if static:  # c10d numbers the machines itself; machine_rank is not needed.
+        argv.append(f"--rdzv-conf=rank={cfg.machine_rank}")
     return [*argv, "--module", ENTRY_MODULE, *target]
 
 
@@ -105,6 +114,14 @@ def _resolve_port(cfg: LaunchConfig) -> int:
     except OSError as exc:  # a name that does not resolve, or no address of this machine
         message = rendezvous.unusable_address("--main_process_ip", cfg.main_process_ip, exc)
         raise UsageError(message) from None
+
+
+def _meeting_point(cfg: LaunchConfig, port: int) -> str:
+    """Where the ranks meet, as the banner says it: machine 0 listens there, only there."""
+    if cfg.machine_rank == 0 and uses_static_rendezvous(cfg):
+        listen = rendezvous.listen_address(cfg.main_process_ip, cfg.num_machines == 1)
+        return f"rendezvous on {rendezvous.describe_listening(listen, port)}"
+    return f"rendezvous at {cfg.main_process_ip}:{port}"
 
 
 def _check_target(args: argparse.Namespace) -> list[str]:
@@ -184,12 +201,21 @@ def launch(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     target = _check_target(args)
     port = _resolve_port(cfg)
-    nprocs = cfg.num_processes or hardware.detect().gpu_count or 1
+    gpus = hardware.detect().gpu_count
+    nprocs = cfg.num_processes or gpus or 1
     world_size = nprocs * cfg.num_machines
+    try:
+        capacity.check_process_count(nprocs, world_size, not gpus, name="--num_processes")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from nbaccel.cli import elastic_rendezvous
+
+    elastic_rendezvous.register()
 
     _set_environment(cfg, nprocs)
     _quiet_elastic_logs()
@@ -205,7 +231,7 @@ def launch(args: argparse.Namespace) -> int:
             f"nbaccel: launching {nprocs} process{'es' if nprocs > 1 else ''} on machine "
             f"{cfg.machine_rank} of {cfg.num_machines} (world size {world_size}), "
             f"mixed_precision={cfg.mixed_precision}, strategy={cfg.strategy}, "
-            f"{cfg.main_process_ip}:{port}",
+            f"{_meeting_point(cfg, port)}",
             flush=True,
         )
         torch_run.run(torch_args)

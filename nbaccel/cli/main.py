@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from nbaccel.cli import torchrun_flags
 from nbaccel.core import deepspeed_settings, fsdp_settings
 from nbaccel.core.config import (
     MIXED_PRECISION_CHOICES,
@@ -250,7 +251,9 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
         "launch",
         help="run a training script on N processes (torch.distributed.run underneath)",
         description="Run SCRIPT on every process with torch.distributed.run. Settings come "
-        "from the config file; flags override it. Output is labelled per rank.",
+        "from the config file; flags override it. Output is labelled per rank. torchrun's "
+        "names work too (--nproc_per_node, --nnodes, --node_rank, --master_addr, "
+        "--master_port, --rdzv_endpoint, --standalone).",
     )
     # Flag names follow `accelerate launch` where they mean the same thing.
     p.add_argument("--config_file", help="config file to read (default: the shared one)")
@@ -262,8 +265,11 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mixed_precision", choices=MIXED_PRECISION_CHOICES)
     p.add_argument("--strategy", choices=STRATEGY_CHOICES)
     p.add_argument("--gradient_accumulation_steps", type=int)
-    p.add_argument("--rdzv_backend", choices=RDZV_BACKEND_CHOICES)
-    p.add_argument("--max_restarts", type=int, help="restarts of the whole group on failure")
+    p.add_argument("--rdzv_backend", "--rdzv-backend", choices=RDZV_BACKEND_CHOICES)
+    p.add_argument(
+        "--max_restarts", "--max-restarts", type=int, help="restarts of the whole group on failure"
+    )
+    torchrun_flags.add_torchrun_flags(p)
     fsdp = p.add_argument_group("FSDP (with --strategy fsdp; names as in `accelerate launch`)")
     fsdp.add_argument(
         "--fsdp_auto_wrap_policy", type=str.lower, choices=fsdp_settings.AUTO_WRAP_CHOICES

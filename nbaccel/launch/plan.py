@@ -1,7 +1,7 @@
 """Everything a launch decides before it starts a process: settings, checks, the serialized job.
 
 :func:`resolve_plan` raises a clear error for any bad input (a non-callable, a bad count or
-port, a precision this machine cannot run, an argument that cannot be pickled, ``fork`` after
+port, more processes than this machine can hold, a precision this machine cannot run, an argument that cannot be pickled, ``fork`` after
 CUDA) and otherwise returns a :class:`LaunchPlan`: the launch's facts and one
 :class:`~nbaccel.core.events.RankSpec` per local rank.
 """
@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
+from nbaccel.core import capabilities, capacity, hardware, pickling, rendezvous, shared_tensors
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int, third_party_env
 from nbaccel.core.events import RankSpec
 from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
@@ -76,6 +76,7 @@ def resolve_plan(
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     method = check_start_method(resolve_start_method(cfg.start_method))
     gpus = () if cpu else hardware.detect().gpus
+    capacity.check_process_count(nprocs, nprocs * num_nodes, on_cpu=not gpus)
     if cpu:
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
     capabilities.check_precision(cfg.mixed_precision, gpus)

@@ -15,7 +15,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel.core import events, pickling, processes, proctitle, shared_tensors
+from nbaccel.core import events, pickling, processes, proctitle, rendezvous, shared_tensors
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import containment, exit, process_setup, reporting, torch_fixes, tqdm_hook, twin
 
@@ -113,6 +113,12 @@ def _call(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     return function(*args, **kwargs)
 
 
+def _call_with_store(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    # Here, so a port taken meanwhile is reported as rank 0's failure like the user's own.
+    rendezvous.host_rank_store()
+    return function(*args, **kwargs)
+
+
 def run_job(spec: RankSpec, call: Any = _call, flush_metrics: bool = True) -> int:
     """Run the user's function of ``spec`` through ``call`` and report how it ended (its result
     or its failure) to the kernel; return the exit status. The process group is left to die
@@ -146,7 +152,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     torch_fixes.keep_destroyed_process_groups_alive()
     events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
 
-    code = run_job(spec)
+    code = run_job(spec, call=_call_with_store)
     exit.end_within(code)
     exit.close_multiprocessing()
     _stop_leftovers(spec.rank)
