@@ -9,10 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space
+
 
 @contextlib.contextmanager
 def atomic_write(
-    path: str | os.PathLike[str], mode: str = "wb", encoding: str | None = None
+    path: str | os.PathLike[str],
+    mode: str = "wb",
+    encoding: str | None = None,
+    size_hint: int | None = None,
 ) -> Iterator[IO]:
     """Yield a temporary file beside ``path``; on success it is synced and renamed over ``path``.
 
@@ -20,6 +25,8 @@ def atomic_write(
     temporary file is removed (or, after a crash, left as a hidden ``.name.*.tmp``). A symlink
     is written through (the file it points to is replaced, the link stays), and the file keeps
     its permissions; a new one gets the usual ones (0666 less the umask), as ``open`` gives.
+    A full disk raises :class:`~nbaccel.core.disk_space.OutOfSpaceError` naming ``path`` and
+    ``size_hint`` (about how many bytes the content takes), whatever the writer raised.
 
     Example::
 
@@ -40,8 +47,16 @@ def atomic_write(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if is_out_of_space(exc) and not isinstance(exc, OutOfSpaceError):
+            raise OutOfSpaceError(
+                "writing",
+                target,
+                size_hint,
+                f"Nothing was replaced: {target.name} is as it "
+                "was. Free space on that disk, or write somewhere else.",
+            ) from exc
         raise
 
 
