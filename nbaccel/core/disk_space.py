@@ -79,7 +79,7 @@ class OutOfSpaceError(OSError):
         self.path, self.needed, self.free = str(path), needed, free_bytes(path)
         super().__init__(
             f"{what}: no space left to write {self.path}: it needs about "
-            f"{format_size(needed)}, and {format_size(self.free)} is free there. {advice}"
+            f"{format_size(needed)}, with {format_size(self.free)} free there. {advice}"
         )
         self.errno = errno.ENOSPC
 

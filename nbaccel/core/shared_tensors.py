@@ -278,7 +278,8 @@ class Packer:
             os.ftruncate(fd, self._size)
             self._fill(fd)
         except BaseException as exc:
-            os.unlink(path)
+            os.close(fd)
+            os.unlink(path)  # before measuring what is free: the partial file held it
             if is_out_of_space(exc):
                 folder = os.path.dirname(path)
                 raise OutOfSpaceError(
@@ -291,8 +292,7 @@ class Packer:
                     "NBACCEL_SHM_DIR to a folder with room.",
                 ) from None
             raise
-        finally:
-            os.close(fd)
+        os.close(fd)
 
     def _fill(self, fd: int) -> None:
         # pwrite copies straight into the shared pages: about twice as fast as faulting in a
