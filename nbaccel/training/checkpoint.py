@@ -77,6 +77,10 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         staging.mkdir(parents=True)
     ops.barrier()
     try:
+        # Each rank's own file first: past this barrier, a failure of the main process's big
+        # writes, which removes the staging folder, cannot pull it from under another rank.
+        atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
+        ops.barrier()
         _write_all(acc, staging, main)
     except BaseException as exc:
         staged = _tree_bytes(staging) if main else 0
@@ -142,7 +146,6 @@ def _write_all(acc: Any, staging: Path, main: bool) -> None:
             {"precision": scaler, "micro_step": acc.gradient_state.micro_step},
             staging / "accelerator.pt",
         )
-    atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
 
 
 def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
