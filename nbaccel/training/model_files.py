@@ -87,7 +87,7 @@ def split_tied(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
             tensors[key] = tensor
             continue
         same = (tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride())
-        if tensor.numel() and same in kept:
+        if tensor.numel() and tensor.device.type != "meta" and same in kept:
             aliases[key] = kept[same]
             continue
         kept.setdefault(same, key)
