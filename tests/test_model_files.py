@@ -166,7 +166,7 @@ def _save_killed_at_line(k: int, state: dict, folder: Path, options: dict) -> in
     return status
 
 
-@pytest.mark.slow  # a fork per line of the save: about 100 per layout, every other one tried
+@pytest.mark.slow  # a fork per line tried: every third of the save's ~100, from `first`
 @pytest.mark.parametrize(("layout", "first"), [("sharded-to-single", 1), ("single-to-sharded", 2)])
 def test_a_save_killed_at_any_line_leaves_a_loadable_model(tmp_path, layout, first):
     before, after = LAYOUTS[layout]
@@ -175,7 +175,7 @@ def test_a_save_killed_at_any_line_leaves_a_loadable_model(tmp_path, layout, fir
     save_model_files(old, folder, **before)
     listing = sorted(os.listdir(folder))
     seen = []
-    for k in range(first, 2000, 2):  # together the two layouts try every line
+    for k in range(first, 2000, 3):
         status = _save_killed_at_line(k, new, folder, after)
         if os.WIFEXITED(status):  # k is past the save's last line
             assert os.WEXITSTATUS(status) == 3
@@ -192,7 +192,7 @@ def test_a_save_killed_at_any_line_leaves_a_loadable_model(tmp_path, layout, fir
         assert hidden_leftovers(folder) == []
     # Killed before the commit point: the previous model; after it: the new one.
     assert seen == sorted(seen) and seen[0] == 1.0 and seen[-1] == 2.0, seen
-    assert len(seen) > 30
+    assert len(seen) > 25
 
 
 _KEEP_SAVING = """
@@ -211,7 +211,7 @@ def test_a_writer_killed_from_outside_leaves_a_whole_save(tmp_path):
     folder = folder_with_user_files(tmp_path / "out")
     save_model_files(weights(0.0, n=8, numel=200_000), folder, max_shard_size="2MB")
     script = _KEEP_SAVING.format(repo=str(REPO), folder=str(folder))
-    for delay in (0.3, 0.8):
+    for delay in (0.3, 0.9):
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
         assert child.stdout.readline() == b"ready\n"
         time.sleep(delay)  # somewhere in a save: writing a shard, or swapping
