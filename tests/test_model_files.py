@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,17 @@ def test_a_full_disk_keeps_the_previous_model_and_says_how_much_room_is_needed(t
         assert_loads_as(folder, old)
         assert_user_files(folder)
         assert hidden_leftovers(folder) == []
+
+
+def test_a_save_that_fails_midway_keeps_the_previous_model_and_leaves_nothing(tmp_path):
+    folder = folder_with_user_files(tmp_path / "out")
+    save_model_files(weights(1.0), folder, max_shard_size=5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore"
+        )  # quantized tensors are deprecated; safetensors refuses them
+        unsavable = torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)
+    with pytest.raises(KeyError):  # after the first shard was written
+        save_model_files({**weights(2.0), "q": unsavable}, folder, max_shard_size=5000)
+    assert_loads_as(folder, weights(1.0))
+    assert hidden_leftovers(folder) == []
