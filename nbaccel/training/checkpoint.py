@@ -48,7 +48,10 @@ def tensor_bytes(obj: Any) -> int:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
+            try:
+                storage = item.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested: not one storage
+                continue
             key = (item.device, storage.data_ptr()) if storage.data_ptr() else id(storage)
             storages[key] = storage.nbytes()
         elif isinstance(item, dict):

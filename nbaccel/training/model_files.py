@@ -83,8 +83,8 @@ def split_tied(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     kept: dict[tuple, str] = {}
     tensors, aliases = {}, {}
     for key, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor):
-            tensors[key] = tensor
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+            tensors[key] = tensor  # not one block of memory (sparse): never an alias
             continue
         same = (tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride())
         if tensor.numel() and tensor.device.type != "meta" and same in kept:
