@@ -1,6 +1,7 @@
-"""save_model replaces a folder's weights all at once: killed at any line, out of disk space, or
-switching between sharded and unsharded, the folder loads as the previous save or the new one,
-never a mix, and the user's other files stay. Tied tensors are stored once and tied on load."""
+"""save_model replaces a folder's weights all at once: killed at lines all through the write and
+the swap, out of disk space, failing midway, or switching between sharded and unsharded, the
+folder loads as the previous save or the new one, never a mix, and the user's other files stay.
+Tied tensors are stored once and tied on load."""
 
 from __future__ import annotations
 
