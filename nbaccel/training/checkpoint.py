@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from nbaccel.core.atomic import atomic_write
-from nbaccel.core.disk_space import OutOfSpaceError, swap_failed
+from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space, swap_failed
 from nbaccel.training import ops
 from nbaccel.training.file_reading import torch_load
 from nbaccel.training.random import capture_rng_state, restore_rng_state
@@ -89,8 +89,9 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         staged = _tree_bytes(staging) if main else 0
         if main:
             shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OutOfSpaceError):
-            needed = max(_tree_bytes(final), staged + (exc.needed or 0))
+        if is_out_of_space(exc):  # also from DeepSpeed's or torch.distributed.checkpoint's writes
+            this_file = exc.needed if isinstance(exc, OutOfSpaceError) else None
+            needed = max(_tree_bytes(final), staged + (this_file or 0))
             raise swap_failed("save_state", final, needed) from exc
         raise
     ops.barrier()
