@@ -11,6 +11,7 @@ and, through ``NBACCEL_SHM_DIR``, for /dev/shm (the machine's own are never touc
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from contextlib import nullcontext
 from pathlib import Path
@@ -69,15 +70,15 @@ def kernel():
 
 
 def launch(kernel, call: str, error: str | None = None) -> str:
-    """Run ``call`` in the kernel; the failure's text when ``error`` (its headline's start) is
-    expected, else the value."""
+    """Run ``call`` in the kernel; the failure's text when ``error`` (a pattern its headline
+    starts with) is expected, else the value."""
     cell = kernel.execute(call)
     if error is None:
         assert cell.error is None, cell.error_text
         return cell.results[-1]["text/plain"]
     assert cell.error is not None, f"{call} should have failed"
     assert cell.error["ename"] == "RankFailedError", cell.error_text
-    assert cell.error["evalue"].startswith(error), cell.error_text
+    assert re.match(error, cell.error["evalue"]), cell.error_text
     assert "multiprocessing/" not in cell.error_text, cell.error_text
     return cell.error["evalue"]
 
@@ -86,8 +87,10 @@ def run_full_disk(kernel, d: str, ckpt: str) -> None:
     text = launch(
         kernel,
         f"data_launch({d!r}, {ckpt!r}, 'save', 2.0)",
-        "rank 0 (of 2) raised nbaccel.core.disk_space.OutOfSpaceError: save_state: no space "
-        f"left to write {ckpt}: it needs about 1.2 MB",
+        re.escape(
+            "rank 0 (of 2) raised nbaccel.core.disk_space.OutOfSpaceError: save_state: no space "
+            f"left to write {ckpt}: it needs about 1.2 MB"
+        ),
     )
     assert "Free space on that disk, or pass another folder" in text, text
 
@@ -96,7 +99,10 @@ def run_killed_save(kernel, d: str, ckpt: str) -> None:
     launch(
         kernel,
         f"data_launch({d!r}, {ckpt!r}, 'kill', 2.0)",
-        "rank 0 (of 2) was killed by signal SIGKILL",
+        # Rank 1, waiting in save_state's barrier, sees the reset; its report sometimes reaches
+        # the relay before rank 0's death does (a relay race, reported; not a data question).
+        r"rank 0 \(of 2\) was killed by signal SIGKILL"
+        r"|rank 1 \(of 2\) raised RuntimeError: .*Connection (reset|closed) by peer",
     )
     assert (Path(ckpt).parent / ".ckpt.partial").is_dir()  # until the next save
 
@@ -107,9 +113,11 @@ def run_corrupt_file(kernel, d: str, ckpt: str) -> None:
     launch(
         kernel,
         f"data_launch({d!r}, {ckpt!r}, 'load')",
-        f"rank 0 (of 2) raised nbaccel.training.file_reading.UnreadableFileError: {model} "
-        "cannot be read as a torch checkpoint file: it holds a zip archive (torch's format) "
-        "cut short",
+        r"rank [01] \(of 2\) raised "  # both read it: either may report first
+        + re.escape(
+            f"nbaccel.training.file_reading.UnreadableFileError: {model} cannot be read as a "
+            "torch checkpoint file: it holds a zip archive (torch's format) cut short"
+        ),
     )
 
 
@@ -121,8 +129,10 @@ def run_full_shm(kernel, tmp_path: Path) -> None:
                 kernel,
                 f"nbaccel.notebook_launcher(big_result, args=({str(tmp_path)!r},), "
                 "num_processes=2)",
-                "rank 0 (of 2) raised nbaccel.core.disk_space.OutOfSpaceError: rank 0's return "
-                f"value: no space left to write {shm}/nbaccel-",
+                re.escape(
+                    "rank 0 (of 2) raised nbaccel.core.disk_space.OutOfSpaceError: rank 0's "
+                    f"return value: no space left to write {shm}/nbaccel-"
+                ),
             )
         finally:
             kernel.execute("os.environ.pop('NBACCEL_SHM_DIR', None)")
