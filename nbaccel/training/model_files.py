@@ -158,8 +158,8 @@ def save_model_files(
 
 
 def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The state dict in a file or a ``save_model`` folder (single file or sharded), tied
-    names restored as the same tensor.
+    """The state dict in a file, a shard index, or a ``save_model`` folder (single file or
+    sharded), tied names restored as the same tensor.
 
     Example::
 
@@ -167,13 +167,14 @@ def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
     """
     path = Path(path)
     files = [path]
-    if path.is_dir():
+    if path.name.endswith(".index.json"):  # the index itself, as Accelerate also takes it
+        files = [path.parent / f for f in _shard_names(path)]
+    elif path.is_dir():
         current = model_folder.current_files(path)
         for name in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
             if f"{name}.index.json" in current:
-                index = current[f"{name}.index.json"]
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = [current.get(f, path / f) for f in dict.fromkeys(weight_map.values())]
+                shards = _shard_names(current[f"{name}.index.json"])
+                files = [current.get(f, path / f) for f in shards]
                 break
             if name in current:
                 files = [current[name]]
@@ -194,6 +195,11 @@ def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
             state.update(torch_load(file))
     state.update({alias: state[kept] for alias, kept in aliases.items() if kept in state})
     return state
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names, each once, in order."""
+    return list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
 
 
 def _fill_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
