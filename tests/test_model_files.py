@@ -255,3 +255,32 @@ def test_a_save_that_fails_midway_keeps_the_previous_model_and_leaves_nothing(tm
         save_model_files({**weights(2.0), "q": unsavable}, folder, max_shard_size=5000)
     assert_loads_as(folder, weights(1.0))
     assert hidden_leftovers(folder) == []
+
+
+def _save_tied_under_ddp(folder: str) -> dict:
+    import nbaccel
+
+    acc = nbaccel.Accelerator()
+    torch.manual_seed(0)
+    model = acc.prepare(Tied())
+    acc.save_model(model, folder, max_shard_size="1kB")  # 2 shards: embed, body
+    return {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+
+
+@pytest.mark.slow
+def test_accelerator_save_model_on_two_ranks_stores_tied_weights_once(tmp_path):
+    import nbaccel
+
+    folder = folder_with_user_files(tmp_path / "out")
+    save_model_files(weights(1.0), folder)  # an earlier, unsharded save to replace
+    expected = nbaccel.notebook_launcher(_save_tied_under_ddp, args=(str(folder),), num_processes=2)
+    stored = model_files.load_state_dict_files(folder)
+    assert "lm_head.weight" in stored and not any(k.startswith("layer") for k in stored)
+    index = (folder / "model.safetensors.index.json").read_text()
+    assert "lm_head.weight" not in index and "embed.weight" in index  # stored once
+    fresh = Tied()
+    load_checkpoint_in_model(fresh, folder, strict=True)
+    assert fresh.lm_head.weight is fresh.embed.weight
+    for key, tensor in expected.items():
+        assert torch.equal(fresh.state_dict()[key], tensor), key
+    assert_user_files(folder)
