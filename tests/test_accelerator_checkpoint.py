@@ -1,5 +1,5 @@
 """save_state/load_state resume a run bit for bit; a save killed mid-write leaves the previous
-checkpoint (or file) loadable."""
+checkpoint (or file) loadable, and the next save removes what the killed one left."""
 
 from __future__ import annotations
 
@@ -113,8 +113,14 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
             [sys.executable, "-c", script, what], env=env, capture_output=True, timeout=120
         )
         assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    # What the kills left, for the next saves to remove.
+    assert (tmp_path / ".ckpt.partial").is_dir()
+    assert len(list(tmp_path.glob(".weights.pt.*.tmp"))) == 1
 
     acc2, model2 = build(5.0)
     acc2.load_state(ckpt)
     assert torch.equal(model2.weight, torch.ones(1, 3))
     assert torch.equal(torch.load(file, weights_only=True)["w"], torch.ones(3))
+    acc2.save_state(ckpt)  # clean up after the killed ones
+    acc2.save({"w": torch.full((3,), 3.0)}, file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "weights.pt"]

@@ -12,6 +12,9 @@ by the rank or the descendant itself) and, when the launching process dies, the 
 gone 5 s after the launch ended, wherever they were re-parented; no process anywhere carries the
 case's argv marker; the error is the right one; and the kernel (or script) launches again.
 
+The data side (full disk, full /dev/shm, killed save, corrupt file) is in
+test_fault_matrix_data.py, in a kernel of its own.
+
 Descendants ignore SIGTERM (so stopping them needs SIGKILL). In the "returning" phase the fault
 is triggered by the descendants themselves when the rank, its result sent, stops them.
 """

@@ -255,11 +255,19 @@ def test_fork_is_allowed_before_cuda(monkeypatch):
 def test_env_none_removes_a_variable_and_values_become_strings(monkeypatch):
     monkeypatch.setenv("NBACCEL_UNIT_DROP", "1")
     info = types.SimpleNamespace(
-        world_size=2, num_processes=2, node_rank=0, master_addr="127.0.0.1", master_port=1234
+        world_size=2,
+        num_processes=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=1234,
+        device="cpu",
     )
     env = plan._worker_env(info, LaunchConfig(), {"NBACCEL_UNIT_DROP": None, "N": 3})
     assert "NBACCEL_UNIT_DROP" not in env and env["N"] == "3"
     assert env["NBACCEL_LAUNCHER"] == "notebook" and env["WORLD_SIZE"] == "2"
+    assert env["ACCELERATE_USE_CPU"] == "true"  # Accelerate's CPU ranks form a group too
+    own = plan._worker_env(info, LaunchConfig(), {"ACCELERATE_USE_CPU": "false"})
+    assert own["ACCELERATE_USE_CPU"] == "false"  # the user's own setting wins
 
 
 # -- the data plan: each rank's batches of one epoch --------------------------------------

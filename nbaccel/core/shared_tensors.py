@@ -4,7 +4,8 @@ A launch's arguments are pickled once, as today, except that every CPU tensor or
 least :data:`MIN_BYTES` is replaced by a reference into one shared-memory block; its bytes are
 copied there once for all ranks, instead of being pickled into every rank's job. Results go the
 other way: a rank puts the large tensors of its return value into a file in ``/dev/shm`` that the
-kernel maps (no copy) and unlinks as it loads the value.
+kernel maps (no copy) and unlinks as it loads the value (``NBACCEL_SHM_DIR`` puts them
+elsewhere); a full ``/dev/shm`` says so, with the bytes needed and what to do.
 
 Semantics — a rank gets what a fork of the kernel gives it: its own copy-on-write view of each
 argument. The block is a ``memfd`` mapped ``MAP_PRIVATE`` in every rank, so a rank that changes an
@@ -43,6 +44,7 @@ import weakref
 from typing import Any
 
 from nbaccel.core import pickling
+from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space
 
 MIN_BYTES = 256 * 1024  # smaller tensors pickle faster than a trip through shared memory
 _ALIGN = 64
@@ -51,7 +53,10 @@ _fds: dict[str, int] = {}  # launch token -> argument block fd (kernel: its own;
 
 
 def shm_dir() -> str:
-    """Where result files go: ``/dev/shm`` (memory) where it exists, else the temp folder."""
+    """Where result files go: ``$NBACCEL_SHM_DIR`` when set, else ``/dev/shm`` (memory) where
+    it exists, else the temp folder."""
+    if os.environ.get("NBACCEL_SHM_DIR"):
+        return os.environ["NBACCEL_SHM_DIR"]
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         return "/dev/shm"
     return tempfile.gettempdir()
@@ -266,13 +271,28 @@ class Packer:
         weakref.finalize(transfer, _close, self.token)  # in case release() is never called
         return transfer
 
-    def _write_result_file(self) -> None:
-        fd = os.open(self._result_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def _write_result_file(self, rank: int) -> None:
+        path = self._result_path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self._size)
             self._fill(fd)
-        finally:
+        except BaseException as exc:
             os.close(fd)
+            os.unlink(path)  # before measuring what is free: the partial file held it
+            if is_out_of_space(exc):
+                folder = os.path.dirname(path)
+                raise OutOfSpaceError(
+                    f"rank {rank}'s return value",
+                    path,
+                    self._size,
+                    f"Its tensors go to the kernel through shared memory in {folder}. Free space "
+                    "there (in Docker, start the container with a larger --shm-size), return "
+                    "less (save big tensors to a file and return its path), or set "
+                    "NBACCEL_SHM_DIR to a folder with room.",
+                ) from None
+            raise
+        os.close(fd)
 
     def _fill(self, fd: int) -> None:
         # pwrite copies straight into the shared pages: about twice as fast as faulting in a
@@ -307,7 +327,7 @@ def dumps_result(value: Any, transfer: Transfer | None, rank: int) -> bytes:
     packer = Packer(result_name=f"{transfer.token}-r{rank}-{os.getpid()}")
     payload = packer.dumps(value)
     if packer._copies:
-        packer._write_result_file()
+        packer._write_result_file(rank)
     return payload
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import cloudpickle
 
 from nbaccel.core import events, pickling, processes, proctitle, rendezvous, shared_tensors
+from nbaccel.core.disk_space import OutOfSpaceError
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import containment, exit, process_setup, reporting, torch_fixes, tqdm_hook, twin
 
@@ -54,6 +55,8 @@ def _pickle_return_value(value: Any, rank: int, transfer: Any = None) -> bytes:
     that says it is the return value."""
     try:
         return shared_tensors.dumps_result(_to_cpu(value), transfer, rank)
+    except OutOfSpaceError:
+        raise  # the value could be sent: /dev/shm is full, which the error says
     except Exception as exc:
         kind = type(value)
         raise TypeError(

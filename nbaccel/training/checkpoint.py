@@ -15,7 +15,6 @@ tensor([1., 1.])
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -24,7 +23,9 @@ from typing import Any
 import torch
 
 from nbaccel.core.atomic import atomic_write
+from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space, swap_failed
 from nbaccel.training import ops
+from nbaccel.training.file_reading import torch_load
 from nbaccel.training.random import capture_rng_state, restore_rng_state
 
 
@@ -35,22 +36,29 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
 
         atomic_save(model.state_dict(), "ckpt/model.pt")
     """
-    with atomic_write(path, "wb") as f:
+    with atomic_write(path, "wb", size_hint=tensor_bytes(obj)) as f:
         torch.save(obj, f)
 
 
-def _load(path: Path, trusted_fallback: bool = False) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        if not trusted_fallback:
-            raise
-        warnings.warn(
-            f"{path} holds objects other than tensors and plain containers, so it is loaded "
-            "with weights_only=False; only load checkpoints you wrote yourself.",
-            stacklevel=3,
-        )
-        return torch.load(path, map_location="cpu", weights_only=False)
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensor storages in ``obj`` (nested dicts, lists, tuples), each counted once:
+    about what ``torch.save`` writes."""
+    storages: dict[Any, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            try:
+                storage = item.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse, nested: not one storage
+                continue
+            key = (item.device, storage.data_ptr()) if storage.data_ptr() else id(storage)
+            storages[key] = storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(storages.values())
 
 
 def _siblings(directory: Path) -> tuple[Path, Path]:
@@ -61,7 +69,9 @@ def _siblings(directory: Path) -> tuple[Path, Path]:
 
 
 def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
-    """Write everything a resumed run needs into ``directory`` (collective: call on every rank)."""
+    """Write everything a resumed run needs into ``directory`` (collective: call on every rank).
+    A failed save removes its partial files (a killed one: the next save does) and leaves the
+    previous checkpoint as it was; a full disk says how much room the checkpoint needs."""
     final = Path(directory)
     staging, old = _siblings(final)
     main = acc.is_main_process
@@ -69,6 +79,39 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
         staging.mkdir(parents=True)
     ops.barrier()
+    try:
+        # Each rank's own file first: past this barrier, a failure of the main process's big
+        # writes, which removes the staging folder, cannot pull it from under another rank.
+        atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
+        ops.barrier()
+        _write_all(acc, staging, main)
+    except BaseException as exc:
+        staged = _tree_bytes(staging) if main else 0
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+        if is_out_of_space(exc):  # also from DeepSpeed's or torch.distributed.checkpoint's writes
+            this_file = exc.needed if isinstance(exc, OutOfSpaceError) else None
+            needed = max(_tree_bytes(final), staged + (this_file or 0))
+            raise swap_failed("save_state", final, needed) from exc
+        raise
+    ops.barrier()
+    if main:
+        # Swap: the old checkpoint is only removed once the new one is complete and in place.
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    ops.barrier()
+    return final
+
+
+def _tree_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (0 when it is not there)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _write_all(acc: Any, staging: Path, main: bool) -> None:
     prepared = acc.prepared()
     strategy = prepared.strategy
     sharded = getattr(strategy, "sharded_checkpoint", False)  # FSDP with SHARDED_STATE_DICT
@@ -107,17 +150,6 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
             {"precision": scaler, "micro_step": acc.gradient_state.micro_step},
             staging / "accelerator.pt",
         )
-    atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
-    ops.barrier()
-    if main:
-        # Swap: the old checkpoint is only removed once the new one is complete and in place.
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-    ops.barrier()
-    return final
 
 
 def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
@@ -148,28 +180,28 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         if (path / f"model_{i}").is_dir():  # sharded: loads on any number of ranks
             fsdp.load_sharded_model(model, path / f"model_{i}")
             continue
-        strategy.load_model_state_dict(model, _load(path / f"model_{i}.pt"))
+        strategy.load_model_state_dict(model, torch_load(path / f"model_{i}.pt"))
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         if engine:
             continue
         if (path / f"optimizer_{i}").is_dir():
             fsdp.load_sharded_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
             continue
-        state = _load(path / f"optimizer_{i}.pt")
+        state = torch_load(path / f"optimizer_{i}.pt")
         strategy.load_optimizer_state_dict(model, opt.optimizer, state)
     for i, sched in enumerate(prepared.schedulers):
-        sched.load_state_dict(_load(path / f"scheduler_{i}.pt"))
+        sched.load_state_dict(torch_load(path / f"scheduler_{i}.pt"))
     for i, loader in enumerate(prepared.dataloaders):
-        loader.load_state_dict(_load(path / f"dataloader_{i}.pt"))
+        loader.load_state_dict(torch_load(path / f"dataloader_{i}.pt"))
     for i, obj in enumerate(prepared.custom_objects):
-        obj.load_state_dict(_load(path / f"custom_{i}.pt", trusted_fallback=True))
-    extra = _load(path / "accelerator.pt")
+        obj.load_state_dict(torch_load(path / f"custom_{i}.pt", trusted_fallback=True))
+    extra = torch_load(path / "accelerator.pt")
     if acc.scaler is not None and extra["precision"]:
         acc.scaler.load_state_dict(extra["precision"])
     acc.gradient_state.micro_step = int(extra["micro_step"])
     rng_file = path / f"random_states_{acc.process_index}.pt"
     if rng_file.exists():
-        restore_rng_state(_load(rng_file))
+        restore_rng_state(torch_load(rng_file))
     else:  # saved by fewer processes: continue as Accelerate does, this rank's RNG as it is
         warnings.warn(
             f"{rng_file} is missing (the checkpoint was saved by fewer processes than this "

@@ -1,6 +1,6 @@
 """Model weight files in Hugging Face's layout: ``model.safetensors`` (or
 ``pytorch_model.bin``), split into shards with a JSON index when larger than ``max_shard_size``,
-and loading them back into a model.
+tied tensors stored once, and loading them back into a model.
 
 >>> import torch, tempfile
 >>> folder = tempfile.mkdtemp()
@@ -21,11 +21,15 @@ from typing import Any
 import torch
 
 from nbaccel.core.atomic import atomic_write
+from nbaccel.core.disk_space import OutOfSpaceError, swap_failed
+from nbaccel.training import model_folder
 from nbaccel.training.checkpoint import atomic_save
+from nbaccel.training.file_reading import safetensors_load, torch_load
 
 SAFE_WEIGHTS_NAME, WEIGHTS_NAME = "model.safetensors", "pytorch_model.bin"
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_ALIASES = "nbaccel_tied"  # safetensors metadata: {name: the stored name it is the same as}
 
 
 def parse_size(size: int | str) -> int:
@@ -43,8 +47,14 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def save_safetensors(state: dict[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
-    """Write a state dict as one safetensors file, atomically (shared tensors are copied)."""
+def save_safetensors(
+    state: dict[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    aliases: dict[str, str] | None = None,
+) -> None:
+    """Write a state dict as one safetensors file, atomically. Tensors that share memory are
+    stored as copies (safetensors refuses them); ``aliases`` (name -> the stored name it is the
+    same tensor as) go into the file's metadata instead, for :func:`load_state_dict_files`."""
     from safetensors.torch import save
 
     seen: set[int] = set()
@@ -52,12 +62,37 @@ def save_safetensors(state: dict[str, torch.Tensor], path: str | os.PathLike[str
     for key, tensor in state.items():
         tensor = tensor.detach().cpu()
         ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -id(tensor)
-        # safetensors refuses tensors that share memory (tied weights): store copies.
         clean[key] = tensor.clone().contiguous() if ptr in seen else tensor.contiguous()
         seen.add(ptr)
-    blob = save(clean, metadata={"format": "pt"})
-    with atomic_write(path, "wb") as f:
+    metadata = {"format": "pt"}
+    if aliases:
+        metadata[_ALIASES] = json.dumps(aliases)
+    blob = save(clean, metadata=metadata)
+    with atomic_write(path, "wb", size_hint=len(blob)) as f:
         f.write(blob)
+
+
+def split_tied(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The state without the second and later names of one tensor (tied weights, e.g.
+    ``lm_head.weight is embed.weight``), and those names mapped to the one kept.
+
+    Example::
+
+        tensors, aliases = split_tied(model.state_dict())   # {'lm_head.weight': 'embed.weight'}
+    """
+    kept: dict[tuple, str] = {}
+    tensors, aliases = {}, {}
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+            tensors[key] = tensor  # not one block of memory (sparse): never an alias
+            continue
+        same = (tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride())
+        if tensor.numel() and tensor.device.type != "meta" and same in kept:
+            aliases[key] = kept[same]
+            continue
+        kept.setdefault(same, key)
+        tensors[key] = tensor
+    return tensors, aliases
 
 
 def save_model_files(
@@ -66,7 +101,9 @@ def save_model_files(
     max_shard_size: int | str = "10GB",
     safe_serialization: bool = True,
 ) -> None:
-    """Write ``state`` into ``save_directory`` as one file or size-limited shards + index.
+    """Write ``state`` into ``save_directory`` as one file or size-limited shards + index,
+    replacing an earlier save's weight files all at once (``model_folder``); tied tensors are
+    stored once. Other files in the folder stay.
 
     Example::
 
@@ -76,10 +113,11 @@ def save_model_files(
     if folder.is_file():
         raise ValueError(f"save_model: {folder} is a file; pass a folder to write into.")
     folder.mkdir(parents=True, exist_ok=True)
+    tensors, aliases = split_tied(state)
     limit = parse_size(max_shard_size)
     shards: list[dict[str, Any]] = [{}]
     size = 0
-    for key, tensor in state.items():
+    for key, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > limit:
             shards.append({})
@@ -88,32 +126,40 @@ def save_model_files(
         size += nbytes
     name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     stem, ext = name.rsplit(".", 1)
-    prefix = stem + "-"
-    for old in folder.glob(f"{stem}*.{ext}"):  # shards of an earlier, differently split save
-        if old.name == name or old.name.startswith(prefix):
-            old.unlink()
     names = (
         [name]
         if len(shards) == 1
         else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
     )
-    for shard, filename in zip(shards, names):
-        if safe_serialization:
-            save_safetensors(shard, folder / filename)
-        else:
-            atomic_save({k: v.detach().cpu() for k, v in shard.items()}, folder / filename)
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {k: f for shard, f in zip(shards, names) for k in shard},
-        }
-        with atomic_write(folder / f"{name}.index.json", "w") as f:
-            json.dump(index, f, indent=2)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    staging = model_folder.stage(folder)
+    try:
+        for shard, filename in zip(shards, names):
+            tied = {a: k for a, k in aliases.items() if k in shard}  # kept with their tensor
+            if safe_serialization:
+                save_safetensors(shard, staging / filename, tied)
+            else:  # torch.save stores a tensor shared by two names once
+                cpu = {k: v.detach().cpu() for k, v in shard.items()}
+                atomic_save(cpu | {a: cpu[k] for a, k in tied.items()}, staging / filename)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": {k: f for shard, f in zip(shards, names) for k in shard},
+            }
+            names.append(f"{name}.index.json")
+            with atomic_write(staging / names[-1], "w") as f:
+                json.dump(index, f, indent=2)
+    except BaseException as exc:
+        model_folder.discard(folder)
+        if isinstance(exc, OutOfSpaceError):
+            raise swap_failed("save_model", folder, total) from exc
+        raise
+    model_folder.commit(folder, names)
 
 
 def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The state dict in a file or a ``save_model`` folder (single file or sharded).
+    """The state dict in a file, a shard index, or a ``save_model`` folder (single file or
+    sharded), tied names restored as the same tensor.
 
     Example::
 
@@ -121,15 +167,17 @@ def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
     """
     path = Path(path)
     files = [path]
-    if path.is_dir():
+    if path.name.endswith(".index.json"):  # the index itself, as Accelerate also takes it
+        files = [path.parent / f for f in _shard_names(path)]
+    elif path.is_dir():
+        current = model_folder.current_files(path)
         for name in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
-            index = path / f"{name}.index.json"
-            if index.exists():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = [path / f for f in dict.fromkeys(weight_map.values())]
+            if f"{name}.index.json" in current:
+                shards = _shard_names(current[f"{name}.index.json"])
+                files = [current.get(f, path / f) for f in shards]
                 break
-            if (path / name).exists():
-                files = [path / name]
+            if name in current:
+                files = [current[name]]
                 break
         else:
             raise FileNotFoundError(
@@ -137,14 +185,35 @@ def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
                 "pass the folder given to accelerator.save_model()."
             )
     state: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
     for file in files:
         if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state.update(load_file(str(file)))
+            tensors, metadata = safetensors_load(file)
+            state.update(tensors)
+            aliases.update(json.loads(metadata.get(_ALIASES, "{}")))
         else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
+            state.update(torch_load(file))
+    state.update({alias: state[kept] for alias, kept in aliases.items() if kept in state})
     return state
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names, each once, in order."""
+    return list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
+
+
+def _fill_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Give each name of a tensor the model ties (one parameter under two names) the value
+    saved under another of its names: files from Accelerate or safetensors store it once,
+    without saying so."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(name)
+    for group in names.values():
+        saved = next((n for n in group if n in state), None)
+        if saved is not None:
+            for name in group:
+                state.setdefault(name, state[saved])
 
 
 def load_checkpoint_in_model(
@@ -190,4 +259,5 @@ def load_checkpoint_in_model(
     if dtype is not None:
         target = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+    _fill_tied(model, state)
     model.load_state_dict(state, strict=strict)
