@@ -17,6 +17,7 @@ epoch, and ``remainder`` tells ``gather_for_metrics`` how many gathered samples 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -174,11 +175,26 @@ class ShardedBatchSampler:
         if self.loader_generator is not None:
             torch.empty((), dtype=torch.int64).random_(generator=self.loader_generator)
 
+    @contextlib.contextmanager
+    def _shared_shuffle(self, sampler: Any) -> Iterator[None]:
+        """A user's batch sampler over a RandomSampler without a generator would draw from each
+        rank's own global RNG, so ranks would deal different orders (samples twice or never):
+        for this epoch it draws from the seed shared at ``prepare`` instead, as ``_order`` does."""
+        if not isinstance(sampler, RandomSampler) or sampler.generator is not None:
+            yield
+            return
+        sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        try:
+            yield
+        finally:
+            sampler.generator = None
+
     def plan(self) -> EpochPlan:
         if self.user_batch_sampler is not None:
             if hasattr(self.user_batch_sampler, "set_epoch"):
                 self.user_batch_sampler.set_epoch(self.epoch)
-            every = [list(b) for b in self.user_batch_sampler]
+            with self._shared_shuffle(getattr(self.user_batch_sampler, "sampler", None)):
+                every = [list(b) for b in self.user_batch_sampler]
             size = getattr(self.user_batch_sampler, "batch_size", None)
             if self.split:
                 return self._split_batches(every, size)
