@@ -28,7 +28,15 @@ from nbaccel.training.sharding import ShardedBatchSampler
 from nbaccel.training.sharding import plan_epoch as _plan_epoch
 from nbaccel.training.state import GradientState, ProcessState
 
-__all__ = ["PreparedDataLoader", "_plan_epoch", "shared_seed", "skip_first_batches"]
+__all__ = [
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "PreparedDataLoader",
+    "_plan_epoch",
+    "loader_class",
+    "shared_seed",
+    "skip_first_batches",
+]
 
 
 class PreparedDataLoader:
@@ -104,6 +112,12 @@ class PreparedDataLoader:
             return -1
         return length % total
 
+    @property
+    def batch_sampler(self) -> Any:
+        """What deals this rank its batches (Accelerate's ``BatchSamplerShard`` place): its
+        ``batch_sampler`` is the loader's own, ``even_batches`` can be switched."""
+        return self._sampler if self._sampler is not None else self.original.batch_sampler
+
     def __getattr__(self, name: str) -> Any:
         if name in ("original", "_loader"):
             raise AttributeError(name)
@@ -160,6 +174,13 @@ class PreparedDataLoader:
         self.end_of_dataloader, self.remainder = False, self._last_step_size()
         self.position, self._skip = self._skip, 0
         total = len(self) if self._sampler is not None else None
+        self._gs.iterating.append(self)
+        try:
+            yield from self._batches(source, total)
+        finally:
+            self._gs.iterating.remove(self)
+
+    def _batches(self, source: Any, total: int | None) -> Iterator[Any]:
         for item in source:
             self.position += 1
             if self._sampler is not None:
@@ -185,6 +206,24 @@ class PreparedDataLoader:
         world, rank = self._state.num_processes, self._state.process_index
         steps = iterable.deal(self._loader, world, rank, drop_last=self._loader.drop_last)
         return itertools.islice(steps, skip, None)
+
+
+class DataLoaderShard(PreparedDataLoader):
+    """Accelerate's name for a prepared loader of a map-style dataset (each rank loads its
+    own batches), so ``isinstance`` checks in ported code hold."""
+
+
+class DataLoaderDispatcher(PreparedDataLoader):
+    """Accelerate's name for a prepared loader it would dispatch from the main process
+    (``dispatch_batches=True``, the default for an IterableDataset). nbaccel's ranks each read
+    their share instead; the batches are the same."""
+
+
+def loader_class(loader: DataLoader, dispatch_batches: bool | None) -> type[PreparedDataLoader]:
+    """Which of Accelerate's two kinds a prepared ``loader`` is."""
+    if dispatch_batches is None:
+        dispatch_batches = isinstance(loader.dataset, IterableDataset)
+    return DataLoaderDispatcher if dispatch_batches else DataLoaderShard
 
 
 def _rebuild(

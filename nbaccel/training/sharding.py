@@ -125,6 +125,9 @@ class ShardedBatchSampler:
         else:
             self.user_batch_sampler = None
         self.sampler = loader.sampler
+        # What Accelerate's BatchSamplerShard calls `batch_sampler`: the batches it deals out
+        # (a user's, or the loader's own BatchSampler over its sampler).
+        self.batch_sampler = self.user_batch_sampler or loader.batch_sampler
         self.drop_last = loader.drop_last
         inner = getattr(self.user_batch_sampler, "sampler", self.sampler)
         self.generator = getattr(inner, "generator", None)
@@ -146,6 +149,19 @@ class ShardedBatchSampler:
         self.remainder: int | None = None
         self.epoch_state: torch.Tensor | None = None  # the generator where this epoch started
         self.resume_state: torch.Tensor | None = None  # set by load_state_dict
+
+    @property
+    def even_batches(self) -> bool:
+        """Accelerate's name for ``even``."""
+        return self.even
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.even = value
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.per_rank
 
     def _order(self) -> list[int]:
         sampler = self.sampler

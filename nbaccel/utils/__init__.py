@@ -40,8 +40,10 @@ _LAZY = {
     ),
     **dict.fromkeys(
         [
+            "DistributedOperationException",
             "broadcast",
             "broadcast_object_list",
+            "copy_tensor_to_devices",
             "gather",
             "gather_object",
             "pad_across_processes",

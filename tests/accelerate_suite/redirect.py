@@ -4,8 +4,9 @@ wheel, with its ``accelerate`` imports answered by nbaccel.
 The script's source is read from ``accelerate/test_utils/scripts/`` at run time and executed as
 a fresh module whose ``__import__`` maps Accelerate's module paths onto nbaccel's public ones
 (:data:`ALIASES`). ``accelerate.test_utils`` (fixtures such as ``RegressionModel``,
-``RegressionDataset``, ``are_the_same_tensors``) stays Accelerate's, as the issue allows. Nothing
-outside that module is changed: the rest of the process imports the real packages.
+``RegressionDataset``) stays Accelerate's, as the issue allows, except the fixtures that read
+Accelerate's own process state (:data:`STAND_INS`). Nothing outside that module is changed: the
+rest of the process imports the real packages.
 
 >>> module = load_script("test_ops.py", "nbaccel")
 >>> module.gather.__module__
@@ -81,6 +82,21 @@ def _redirecting_import(aliases: dict[str, _Alias]):
     return importer
 
 
+def same_on_every_rank(tensor: Any) -> bool:
+    """nbaccel's stand-in for ``accelerate.test_utils.are_the_same_tensors``, which reads
+    Accelerate's own process state (unset when nbaccel runs): every rank holds ``tensor``."""
+    import torch
+
+    from nbaccel.utils import gather
+
+    every = gather(tensor.detach()[None].clone()).cpu()
+    return all(torch.equal(row, tensor.detach().cpu()) for row in every)
+
+
+# Fixtures of accelerate.test_utils that read Accelerate's state, replaced for nbaccel.
+STAND_INS = {"are_the_same_tensors": same_on_every_rank}
+
+
 def load_script(relative: str, lib: str) -> types.ModuleType:
     """Execute ``accelerate/test_utils/scripts/<relative>`` as a new module (not registered in
     ``sys.modules``, so cloudpickle sends its functions by value); with ``lib="nbaccel"`` its
@@ -94,4 +110,8 @@ def load_script(relative: str, lib: str) -> types.ModuleType:
     elif lib != "accelerate":
         raise ValueError(f"lib must be 'nbaccel' or 'accelerate', got {lib!r}")
     exec(compile(path.read_text(), str(path), "exec"), module.__dict__)  # noqa: S102
+    if lib == "nbaccel":
+        for name, stand_in in STAND_INS.items():
+            if name in module.__dict__:
+                module.__dict__[name] = stand_in
     return module
