@@ -365,7 +365,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             split_batches=cfg.split_batches,
             even_batches=cfg.even_batches,
             device_placement=place,
-            seed=data.shared_seed(data_loader, cfg.data_seed),
+            data_seed=cfg.data_seed,
             sync_rng=tuple(self.rng_types),
             non_blocking=cfg.non_blocking,
         )

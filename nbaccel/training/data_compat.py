@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,36 +17,10 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from nbaccel.training import data
 from nbaccel.training.random import check_rng_types
+from nbaccel.training.sharding import SeedableRandomSampler
 from nbaccel.training.state import GradientState
 
 __all__ = ["SeedableRandomSampler", "prepare_data_loader", "seedable"]
-
-
-class SeedableRandomSampler(RandomSampler):
-    """A RandomSampler whose order depends only on a seed and the epoch: epoch ``e`` shuffles
-    with ``initial_seed + e``, where ``initial_seed`` is ``data_seed``, else torch's initial
-    seed (what ``set_seed`` set). Every epoch that ends moves it to the next one.
-
-    Example::
-
-        sampler = SeedableRandomSampler(data_source=ds, data_seed=7)
-        loader = DataLoader(ds, batch_size=8, sampler=sampler)   # same order on every rank
-    """
-
-    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.initial_seed = data_seed if data_seed is not None else torch.random.initial_seed()
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if self.generator is None:
-            self.generator = torch.Generator()
-        self.generator.manual_seed(self.initial_seed + self.epoch)
-        yield from super().__iter__()
-        self.set_epoch(self.epoch + 1)
 
 
 def seedable(loader: DataLoader, data_seed: int | None) -> DataLoader:
@@ -128,7 +101,7 @@ def prepare_data_loader(
         split_batches=split_batches,
         even_batches=even_batches,
         device_placement=put_on_device,
-        seed=data.shared_seed(dataloader, data_seed),
+        data_seed=data_seed,
         sync_rng=rng,
         non_blocking=non_blocking,
     )
