@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from typing import Any
 from tests.accelerate_suite.cases import CASES, Case
 from tests.accelerate_suite.redirect import load_script
 
-LAUNCH_TIMEOUT = 180.0
+LAUNCH_TIMEOUT = 60.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -137,18 +138,26 @@ def _in_fresh_process(lib: str, case: Case) -> str:
         "import sys; from tests.accelerate_suite.runner import run_case, CASES; "
         f"run_case({lib!r}, next(c for c in CASES if c.id == {case.id!r}))"
     )
-    done = subprocess.run(
+    # Its own session, so a timeout stops the ranks the script's launcher started too.
+    child = subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=LAUNCH_TIMEOUT,
+        start_new_session=True,
     )
-    if done.returncode == 0:
+    try:
+        _, stderr = child.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        return f"fail: no result within {LAUNCH_TIMEOUT:.0f} s"
+    if child.returncode == 0:
         return "pass"
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    return "fail: " + (lines[-1][:200] if lines else f"exit code {done.returncode}")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return "fail: " + (lines[-1][:200] if lines else f"exit code {child.returncode}")
 
 
 def table(libs: list[str]) -> str:
