@@ -141,3 +141,41 @@ def test_split_between_processes_keeps_a_datasets_dataset():
     with PartialState().split_between_processes(data) as mine:
         assert isinstance(mine, datasets.Dataset)
         assert mine["k"] == [0, 1, 2]
+
+
+def fsdp_files(tmp: str) -> dict:
+    """save_fsdp_model (full and sharded) and merge_fsdp_weights on 2 FSDP ranks."""
+    import safetensors.torch
+
+    from nbaccel.utils import FullyShardedDataParallelPlugin, merge_fsdp_weights, save_fsdp_model
+    from tests.test_fsdp_training import Net
+
+    out = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        torch.manual_seed(0)
+        plugin = FullyShardedDataParallelPlugin(
+            auto_wrap_policy="transformer_based_wrap", state_dict_type=kind
+        )
+        model = Net()
+        plugin.set_auto_wrap_policy(model)
+        out["resolved"] = callable(plugin.auto_wrap_policy)
+        acc = nbaccel.Accelerator(fsdp_plugin=plugin)
+        model = acc.prepare(model)
+        full = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+        written = save_fsdp_model(plugin, acc, model, f"{tmp}/{kind}")
+        if kind == "FULL_STATE_DICT":
+            saved = torch.load(written, weights_only=True)
+        else:
+            merged = merge_fsdp_weights(written, f"{tmp}/merged")
+            saved = safetensors.torch.load_file(merged) if acc.is_main_process else full
+        out[kind] = (written.name, all(torch.equal(full[k], saved[k]) for k in full))
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_weight_files_as_accelerate_names_them(tmp_path):
+    out = nbaccel.notebook_launcher(fsdp_files, args=(str(tmp_path),), num_processes=2)
+    assert out["resolved"]
+    assert out["FULL_STATE_DICT"] == ("pytorch_model_fsdp.bin", True)
+    assert out["SHARDED_STATE_DICT"] == ("pytorch_model_fsdp_0", True)
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
