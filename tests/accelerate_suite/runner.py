@@ -60,6 +60,7 @@ def run_case(lib: str, case: Case) -> None:
         cpu_reference_ddp()
     module = load_script(case.script, lib)
     if case.args is not None:
+        module.Accelerator()  # as main() starts: later calls may read the shared state
         getattr(module, case.function)(*(_resolve(a, module) for a in case.args))
         return
     entry = module.main
