@@ -179,3 +179,35 @@ def test_fsdp_weight_files_as_accelerate_names_them(tmp_path):
     assert out["FULL_STATE_DICT"] == ("pytorch_model_fsdp.bin", True)
     assert out["SHARDED_STATE_DICT"] == ("pytorch_model_fsdp_0", True)
     assert (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+def copies_and_checks() -> dict:
+    """copy_tensor_to_devices and the debug-mode shape checks on 2 CPU ranks."""
+    from nbaccel.utils import gather, pad_across_processes
+
+    state = PartialState(cpu=True)
+    rank = state.process_index
+    out = {"copied": copy_tensor_to_devices(torch.arange(3) if rank == 0 else None).tolist()}
+    state.debug = True
+    try:
+        gather(torch.zeros(2 + rank))
+    except DistributedOperationException as exc:
+        out["gather"] = str(exc)
+    # pad_across_processes may differ in the padded dimension only.
+    out["padded"] = tuple(pad_across_processes(torch.zeros(1 + rank, 3)).shape)
+    try:
+        pad_across_processes(torch.zeros(1, 3 + rank))
+    except DistributedOperationException as exc:
+        out["pad"] = str(exc)
+    state.debug = False
+    return out
+
+
+@pytest.mark.slow
+def test_copy_and_debug_checks_on_two_ranks():
+    out = nbaccel.notebook_launcher(copies_and_checks, num_processes=2, progress=False)
+    assert out["copied"] == [0, 1, 2]
+    assert "gather" in out["gather"] and "rank 0: [(2,)]" in out["gather"]
+    assert "rank 1: [(3,)]" in out["gather"]
+    assert out["padded"] == (2, 3)
+    assert "only the padded dimension may differ" in out["pad"]

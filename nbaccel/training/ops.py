@@ -53,22 +53,25 @@ def _check_shapes(operation: str, data: Any, free_dim: int | None = None) -> Non
     (``free_dim``) equal but for that dimension. One small object collective."""
     if _world() == 1 or not debug_mode():
         return
-    mine = _shapes(data)
+    shapes = _shapes(data)
+    key = shapes
     if free_dim is not None:  # pad_across_processes: the padded dimension may differ
-        mine = [(len(s), *(n for i, n in enumerate(s) if i != free_dim % max(len(s), 1)))
-                for s in mine]  # fmt: skip
+        key = [_without(s, free_dim % len(s)) if s else s for s in shapes]
     every: list[Any] = [None] * _world()
-    _comm().all_gather_object(every, mine)
-    if all(shapes == every[0] for shapes in every):
+    _comm().all_gather_object(every, (key, shapes))
+    if all(k == every[0][0] for k, _ in every):
         return
-    listed = "\n".join(f"  rank {r}: {_shapes(data) if r == _comm().get_rank() else s}"
-                       for r, s in enumerate(every))  # fmt: skip
-    what = "ranks, dimensions" if free_dim is not None else "shapes"
+    listed = "\n".join(f"  rank {r}: {s}" for r, (_, s) in enumerate(every))
+    rule = " (only the padded dimension may differ)" if free_dim is not None else ""
     raise DistributedOperationException(
-        f"{operation}: the tensors' {what} differ between ranks, so the collective cannot "
-        f"run:\n{listed}\nPass tensors of the same shape on every rank"
-        + (" (only the padded dimension may differ)." if free_dim is not None else ".")
+        f"{operation}: the tensors' shapes differ between ranks, so the collective cannot "
+        f"run:\n{listed}\nPass tensors of the same shape on every rank{rule}."
     )
+
+
+def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    """``shape``'s rank and its sizes but for dimension ``dim``."""
+    return (len(shape), *shape[:dim], *shape[dim + 1 :])
 
 
 def _world() -> int:
