@@ -122,6 +122,8 @@ def launch(lib: str, case: Case) -> str:
             progress=False,
             timeout=LAUNCH_TIMEOUT,
             env=_environment(lib),
+            # The fork server imports Accelerate's fixtures once, not every rank of every case.
+            preload=("accelerate.test_utils",),
         )
     except Exception as exc:  # noqa: BLE001 - the outcome is the report
         return "fail: " + _first_line(exc)
