@@ -25,9 +25,7 @@ def seeded_losses(lib: str, shuffle: bool = True, epochs: int = 2) -> list[float
     from torch.utils.data import DataLoader, TensorDataset
 
     module = importlib.import_module(lib)
-    module.utils.set_seed(1234) if lib == "nbaccel" else importlib.import_module(
-        "accelerate.utils"
-    ).set_seed(1234)
+    importlib.import_module(f"{lib}.utils").set_seed(1234)
     acc = module.Accelerator(cpu=True)
     x, y = torch.randn(64, 8), torch.randn(64, 1)
     model = torch.nn.Sequential(
