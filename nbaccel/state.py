@@ -1,6 +1,6 @@
 """Accelerate's ``accelerate.state`` path: ``PartialState``, ``AcceleratorState`` and
-``DistributedType`` (see :mod:`nbaccel.training.shared_state`). The gradient state is the
-Accelerator's own: read ``accelerator.gradient_state``.
+``DistributedType`` (see :mod:`nbaccel.training.shared_state`), and ``GradientState``: each
+Accelerator has its own, ``accelerator.gradient_state``.
 
 >>> from nbaccel.state import DistributedType, PartialState
 >>> DistributedType.MULTI_CPU.value
@@ -8,6 +8,6 @@ Accelerator's own: read ``accelerator.gradient_state``.
 """
 
 from nbaccel.training.shared_state import AcceleratorState, PartialState
-from nbaccel.training.state import DistributedType
+from nbaccel.training.state import DistributedType, GradientState
 
-__all__ = ["AcceleratorState", "DistributedType", "PartialState"]
+__all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

@@ -63,6 +63,36 @@ def test_loaders_and_reduce_behave_like_accelerate(lib):
     assert out["sum"].item() == 3.0
 
 
+def random_batch_samplers(lib: str):
+    """A user's BatchSampler(RandomSampler(...)), as batch_sampler and as sampler, on ranks
+    whose global RNGs differ: each epoch must still deal every sample exactly once."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    acc = _accelerator(lib)
+    torch.manual_seed(100 + acc.process_index)
+    ds = TensorDataset(torch.arange(16))
+    out = {}
+    for how in ("batch_sampler", "sampler"):
+        batches = BatchSampler(RandomSampler(ds), 4, False)
+        if how == "batch_sampler":
+            dl = acc.prepare(DataLoader(ds, batch_sampler=batches))
+        else:
+            dl = acc.prepare(DataLoader(ds, sampler=batches, batch_size=None))
+        out[how] = [torch.cat([acc.gather(x) for (x,) in dl]).tolist() for _ in range(2)]
+    return out
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_a_random_batch_sampler_is_shuffled_alike_on_every_rank(lib):
+    out = nbaccel.notebook_launcher(
+        random_batch_samplers, args=(lib,), num_processes=2, progress=False
+    )
+    for how, epochs in out.items():
+        for order in epochs:
+            assert sorted(order) == list(range(16)), (how, order)  # none twice, none missed
+        assert epochs[0] != epochs[1], how  # and reshuffled each epoch
+
+
 def control(lib: str, folder: str):
     """set_trigger on one rank, on_* decorators, gather_for_metrics of objects, even_batches
     off, split_batches, step_scheduler_with_optimizer=False, skip_first_batches."""

@@ -66,6 +66,18 @@ def test_resume_from_save_state_is_bit_for_bit(tmp_path):
         assert torch.equal(full[key], resumed[key]), key
 
 
+def test_one_process_resume_in_a_later_epoch_is_bit_for_bit(tmp_path):
+    """One process shuffles as plain torch does, drawing each epoch's order from the global
+    RNG; the checkpoint keeps that draw, so a resumed epoch does not draw a new order."""
+    ckpt = str(tmp_path / "ckpt")
+    run = nbaccel.notebook_launcher
+    full = run(train_resumable, args=(ckpt, 16), num_processes=1, progress=False)
+    assert run(train_resumable, args=(ckpt, 16, 14), num_processes=1, progress=False) is None
+    resumed = run(train_resumable, args=(ckpt, 16, None, 14), num_processes=1, progress=False)
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), key
+
+
 _KILLED_SAVE = """
 import os, signal, sys, torch
 sys.path.insert(0, {repo!r})

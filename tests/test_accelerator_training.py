@@ -40,7 +40,10 @@ def train_linear(
     )
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    dl = DataLoader(_dataset(), batch_size=batch_size, shuffle=True)
+    # A seeded generator makes the order the same on 1 and N processes; without one, set_seed
+    # gives Accelerate's own run, whose shuffle depends on the number of processes.
+    order = torch.Generator().manual_seed(0)
+    dl = DataLoader(_dataset(), batch_size=batch_size, shuffle=True, generator=order)
     model, opt, dl = acc.prepare(model, opt, dl)
     losses, micro = [], 0
     while micro < STEPS * acc.gradient_accumulation_steps:

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import reporting
-from nbaccel.training import data, deepspeed_dummies
+from nbaccel.training import data, data_compat, deepspeed_dummies
 from nbaccel.training.accelerator_options import resolve_options
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.accelerator_saving import Saving
@@ -143,7 +143,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             fsdp_plugin=self.fsdp_plugin,
             deepspeed_plugin=self.deepspeed_plugin,
         )
-        self._gs = GradientState(accumulation_steps=opts.steps)
+        self._gs = GradientState(
+            accumulation_steps=opts.steps, sync_each_batch=opts.sync_each_batch
+        )
         self.gradient_state = self._gs  # Accelerate's public name for the same object
         reporting.report_settings(self.mixed_precision, self.strategy, str(self.device), opts.steps)
         self.device_placement = device_placement
@@ -243,8 +245,12 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                 " give one bool per object, or leave it out."
             )
         for i, obj in enumerate(args):
+            # A DataLoader may be prepared again (by a second Accelerator, or after pickling):
+            # each time gives a new loader, and the earlier ones keep working.
+            if isinstance(obj, (DataLoader, data.PreparedDataLoader)):
+                continue
             if getattr(obj, _PREPARED, False) or isinstance(
-                obj, (PreparedOptimizer, PreparedScheduler, data.PreparedDataLoader)
+                obj, (PreparedOptimizer, PreparedScheduler)
             ):
                 raise ValueError(
                     f"prepare() argument {i} ({type(obj).__name__}) was already prepared; pass "
@@ -258,7 +264,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         out: list[Any] = list(args)
         # Models first: FSDP replaces parameters, and optimizers must then follow them.
         order = [torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
-        for kind in order + [DataLoader]:
+        for kind in order + [(DataLoader, data.PreparedDataLoader)]:
             for i, obj in enumerate(args):
                 if isinstance(obj, kind):
                     place = device_placement[i] if device_placement else None
@@ -346,17 +352,20 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
 
             train_dl = accelerator.prepare_data_loader(train_dl)
         """
-        setattr(data_loader, _PREPARED, True)
+        if isinstance(data_loader, data.PreparedDataLoader):
+            data_loader = data_loader.original  # sharded afresh for this Accelerator
         place = self.device_placement if device_placement is None else device_placement
         cfg = self.dataloader_config
-        loader = data.PreparedDataLoader(
+        if cfg.use_seedable_sampler:
+            data_loader = data_compat.seedable(data_loader, cfg.data_seed)
+        loader = data.loader_class(data_loader, cfg.dispatch_batches)(
             data_loader,
             self.state,
             self._gs,
             split_batches=cfg.split_batches,
             even_batches=cfg.even_batches,
             device_placement=place,
-            seed=data.shared_seed(data_loader, cfg.data_seed),
+            data_seed=cfg.data_seed,
             sync_rng=tuple(self.rng_types),
             non_blocking=cfg.non_blocking,
         )

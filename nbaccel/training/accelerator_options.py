@@ -43,6 +43,7 @@ class Options:
 
     mixed_precision: str = "no"
     steps: int = 1
+    sync_each_batch: bool = False  # GradientAccumulationPlugin(sync_each_batch=True)
     dataloader_config: DataLoaderConfiguration = dataclasses.field(
         default_factory=DataLoaderConfiguration
     )
@@ -86,6 +87,7 @@ def resolve_options(
     except ValueError as exc:
         raise ValueError(f"Accelerator(mixed_precision=...): {exc}") from None
     opts.steps = _steps(gradient_accumulation_steps, env_steps, gradient_accumulation_plugin)
+    opts.sync_each_batch = bool(getattr(gradient_accumulation_plugin, "sync_each_batch", False))
     cfg = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
     if dataloader_config is not None and split_batches is not None:
         raise ValueError(
@@ -124,11 +126,11 @@ def resolve_options(
 
 def _steps(given: int | None, env: str | None, plugin: Any) -> int:
     if plugin is not None:
-        if plugin.sync_each_batch or not plugin.sync_with_dataloader or not plugin.adjust_scheduler:
+        if not plugin.sync_with_dataloader or not plugin.adjust_scheduler:
             raise NotImplementedError(
                 "GradientAccumulationPlugin: nbaccel always syncs at the end of a dataloader and "
-                "adjusts the scheduler; sync_each_batch=True, sync_with_dataloader=False and "
-                "adjust_scheduler=False are not supported. Use num_steps only."
+                "adjusts the scheduler; sync_with_dataloader=False and adjust_scheduler=False "
+                "are not supported. Use num_steps (and sync_each_batch) only."
             )
         if given not in (None, 1):
             raise ValueError(

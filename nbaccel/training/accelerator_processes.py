@@ -10,6 +10,7 @@ import builtins
 import contextlib
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -241,10 +242,27 @@ class ProcessControl:
         if not self.state.distributed:
             yield
             return
+        kind = self.state.distributed_type.value
+        if kind not in ("MULTI_CPU", "MULTI_GPU"):
+            warnings.warn(
+                f"join_uneven_inputs is only supported for multi-GPU or multi-CPU (DDP) "
+                f"training; this run is {kind}, so the context does nothing.",
+                UserWarning,
+                stacklevel=3,
+            )
+            yield
+            return
         from torch.distributed.algorithms.join import Join
 
         loaders = getattr(self, "_dataloaders", [])
-        saved = [(dl, dl.even_batches) for dl in loaders if hasattr(dl, "even_batches")]
+        saved = [(dl, dl.even_batches) for dl in loaders if dl._sampler is not None]
+        if even_batches is not None and len(saved) < len(loaders):
+            warnings.warn(
+                "join_uneven_inputs(even_batches=...) is only supported for map-style datasets; "
+                "the prepared loaders of iterable datasets keep evening out their last batches.",
+                UserWarning,
+                stacklevel=3,
+            )
         if even_batches is not None:
             for dl, _ in saved:
                 dl.even_batches = even_batches
@@ -258,7 +276,8 @@ class ProcessControl:
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Yield this rank's contiguous share of a list/tuple/tensor/dict of equal-length values.
+        """Yield this rank's contiguous share of a list/tuple/tensor/dict of equal-length values
+        (or of a Hugging Face ``datasets.Dataset``, as a smaller Dataset).
 
         Shares differ by at most one item; ``apply_padding`` repeats the last item so every
         rank gets as many (then gather and cut to the input's length).
@@ -291,7 +310,12 @@ def _split(inputs: Any, world: int, rank: int, pad: bool) -> Any:
     n = len(inputs)
     base, extra = divmod(n, world)
     start = rank * base + min(rank, extra)
-    part = inputs[start : start + base + (1 if rank < extra else 0)]
+    stop = start + base + (1 if rank < extra else 0)
+    if hasattr(inputs, "select") and hasattr(inputs, "column_names"):
+        # A Hugging Face datasets.Dataset: slicing gives a dict of columns, select() a Dataset.
+        padding = [n - 1] if pad and extra and rank >= extra and n else []
+        return inputs.select([*range(start, stop), *padding])
+    part = inputs[start:stop]
     if pad and extra and rank >= extra and n:
         last = inputs[-1:]
         part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + last

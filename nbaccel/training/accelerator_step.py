@@ -57,7 +57,9 @@ class TrainingStep:
         """Accumulate gradients over ``gradient_accumulation_steps`` micro-steps.
 
         Gradients are synchronised (and optimizer/scheduler step) only on the last micro-step
-        of each group, and on the last batch of a prepared DataLoader.
+        of each group, and on the last batch of a prepared DataLoader. With
+        ``GradientAccumulationPlugin(sync_each_batch=True)`` every backward all-reduces (less
+        memory with large models), while the optimizer still steps once per group.
 
         Example::
 
@@ -72,7 +74,7 @@ class TrainingStep:
         if gs.at_loader_end:
             gs.micro_step = 0  # the next epoch starts a fresh accumulation group
         with contextlib.ExitStack() as stack:
-            if not gs.sync_gradients:
+            if not gs.sync_gradients and not gs.sync_each_batch:
                 for model in models:
                     stack.enter_context(self._strategy.no_sync(model))
             yield

@@ -28,6 +28,7 @@ PACKAGES = {
     "is_matplotlib_available": ("matplotlib",),
     "is_mlflow_available": ("mlflow",),
     "is_pandas_available": ("pandas",),
+    "is_pytest_available": ("pytest",),
     "is_peft_available": ("peft",),
     "is_rich_available": ("rich",),
     "is_swanlab_available": ("swanlab",),
@@ -84,6 +85,15 @@ def is_npu_available() -> bool:
     import torch_npu  # noqa: F401 - registers torch.npu
 
     return torch.npu.is_available()
+
+
+def is_hpu_available() -> bool:
+    """Whether an Intel Gaudi (HPU) is usable: the ``habana_frameworks`` package and a device."""
+    if not capabilities.package_available("habana_frameworks"):
+        return False
+    import habana_frameworks.torch.hpu as hpu
+
+    return bool(hpu.is_available())
 
 
 def is_rocm_available() -> bool:
@@ -144,6 +154,7 @@ NAMES = (
     "is_mps_available",
     "is_xpu_available",
     "is_npu_available",
+    "is_hpu_available",
     "is_rocm_available",
     "is_torch_xla_available",
     "is_bf16_available",

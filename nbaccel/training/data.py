@@ -28,7 +28,14 @@ from nbaccel.training.sharding import ShardedBatchSampler
 from nbaccel.training.sharding import plan_epoch as _plan_epoch
 from nbaccel.training.state import GradientState, ProcessState
 
-__all__ = ["PreparedDataLoader", "_plan_epoch", "shared_seed", "skip_first_batches"]
+__all__ = [
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "PreparedDataLoader",
+    "_plan_epoch",
+    "loader_class",
+    "skip_first_batches",
+]
 
 
 class PreparedDataLoader:
@@ -55,7 +62,7 @@ class PreparedDataLoader:
         split_batches: bool,
         even_batches: bool,
         device_placement: bool,
-        seed: int,
+        data_seed: int | None = None,
         sync_rng: tuple[str, ...] = (),
         non_blocking: bool = False,
     ) -> None:
@@ -68,9 +75,12 @@ class PreparedDataLoader:
             self._sampler = None
             self._loader = loader
         else:
-            self._sampler = ShardedBatchSampler(loader, state, split_batches, even_batches, seed)
-            # The loader's iterator draws a base seed (for worker seeds) when it starts; drawing
-            # it from torch's global RNG would make a resumed run's dropout differ by one draw.
+            self._sampler = ShardedBatchSampler(
+                loader, state, split_batches, even_batches, data_seed
+            )
+            # The loader's iterator draws a base seed (for worker seeds) when it starts: from
+            # the user's generator, else from torch's global RNG as torch and Accelerate do.
+            # A resumed epoch made that draw before the checkpoint, so it draws from this one.
             self._generator = torch.Generator()
             self._loader = _rebuild(loader, self._sampler, self._generator)
         self.batch_size = self._sampler.per_rank if self._sampler else loader.batch_size
@@ -103,6 +113,12 @@ class PreparedDataLoader:
         if length is None or not total or self.original.drop_last:
             return -1
         return length % total
+
+    @property
+    def batch_sampler(self) -> Any:
+        """What deals this rank its batches (Accelerate's ``BatchSamplerShard`` place): its
+        ``batch_sampler`` is the loader's own, ``even_batches`` can be switched."""
+        return self._sampler if self._sampler is not None else self.original.batch_sampler
 
     def __getattr__(self, name: str) -> Any:
         if name in ("original", "_loader"):
@@ -139,6 +155,8 @@ class PreparedDataLoader:
             state["generator"] = (
                 epoch_start if epoch_start is not None else self._sampler.generator.get_state()
             )
+        if self._sampler is not None and self._sampler.epoch_seed is not None and self.position:
+            state["epoch_seed"] = self._sampler.epoch_seed  # one process: this epoch's draw
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,6 +166,8 @@ class PreparedDataLoader:
             self._sampler.seed = int(state["seed"])
             if "generator" in state and self._sampler.generator is not None:
                 self._sampler.resume_state = state["generator"]
+            if "epoch_seed" in state:
+                self._sampler.resume_seed = int(state["epoch_seed"])
 
     def __iter__(self) -> Iterator[Any]:
         if self._sync_rng and self._skip == 0:
@@ -156,10 +176,19 @@ class PreparedDataLoader:
             self._sampler.epoch, self._sampler.skip = self.epoch, self._skip
             mix = (self._sampler.seed * 1_000_003 + self.epoch) * 1009 + self._state.process_index
             self._generator.manual_seed(mix % 2**63)
+            own = self.original.generator is not None or self._skip
+            self._loader.generator = self._generator if own else None
         source = self._loader if self._sampler else self._dealt(self._skip)
         self.end_of_dataloader, self.remainder = False, self._last_step_size()
         self.position, self._skip = self._skip, 0
         total = len(self) if self._sampler is not None else None
+        self._gs.iterating.append(self)
+        try:
+            yield from self._batches(source, total)
+        finally:
+            self._gs.iterating.remove(self)
+
+    def _batches(self, source: Any, total: int | None) -> Iterator[Any]:
         for item in source:
             self.position += 1
             if self._sampler is not None:
@@ -187,6 +216,24 @@ class PreparedDataLoader:
         return itertools.islice(steps, skip, None)
 
 
+class DataLoaderShard(PreparedDataLoader):
+    """Accelerate's name for a prepared loader of a map-style dataset (each rank loads its
+    own batches), so ``isinstance`` checks in ported code hold."""
+
+
+class DataLoaderDispatcher(PreparedDataLoader):
+    """Accelerate's name for a prepared loader it would dispatch from the main process
+    (``dispatch_batches=True``, the default for an IterableDataset). nbaccel's ranks each read
+    their share instead; the batches are the same."""
+
+
+def loader_class(loader: DataLoader, dispatch_batches: bool | None) -> type[PreparedDataLoader]:
+    """Which of Accelerate's two kinds a prepared ``loader`` is."""
+    if dispatch_batches is None:
+        dispatch_batches = isinstance(loader.dataset, IterableDataset)
+    return DataLoaderDispatcher if dispatch_batches else DataLoaderShard
+
+
 def _rebuild(
     loader: DataLoader, batch_sampler: ShardedBatchSampler, generator: torch.Generator
 ) -> DataLoader:
@@ -210,21 +257,6 @@ def _rebuild(
         # indices the dataset fetches at once, and no collation adds a dimension.
         return DataLoader(loader.dataset, sampler=batch_sampler, batch_size=None, **kwargs)
     return DataLoader(loader.dataset, batch_sampler=batch_sampler, **kwargs)
-
-
-def shared_seed(loader: DataLoader, data_seed: int | None = None) -> int:
-    """The shuffle seed for loaders without a generator of their own, the same on every rank:
-    ``data_seed`` when given, else drawn from torch's RNG on the main process.
-
-    A loader with a ``generator`` is shuffled by that generator (see ``sharding``), so nothing is
-    drawn from it here: its order stays the one a plain DataLoader would produce.
-    """
-    if data_seed is not None:
-        return int(data_seed)
-    if loader.generator is not None:
-        return 0
-    seed = torch.randint(0, 2**31 - 1, (1,))
-    return int(ops.broadcast(seed).item())
 
 
 class _SkipFirst:

@@ -246,6 +246,17 @@ class FullyShardedDataParallelPlugin:
         """Whether sharded parameters live in CPU memory between uses."""
         return isinstance(self.cpu_offload, CPUOffloadPolicy)
 
+    def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
+        """Resolve ``auto_wrap_policy`` for ``model`` now (Accelerate's method): it becomes
+        the ``policy(module) -> bool`` that :meth:`wrap_policy` gives, or ``"no_wrap"``.
+
+        Example::
+
+            plugin.set_auto_wrap_policy(model)   # blocks by class, from model._no_split_modules
+        """
+        resolved = self.wrap_policy(model)
+        self.auto_wrap_policy = resolved if resolved is not None else "no_wrap"
+
     def wrap_policy(self, model: torch.nn.Module) -> Callable[[torch.nn.Module], bool] | None:
         """``policy(module) -> bool`` for ``model``'s submodules, or ``None`` (root only).
 

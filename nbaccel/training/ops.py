@@ -11,6 +11,7 @@ tensor([1, 2])
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,59 @@ import torch
 import torch.distributed as dist
 
 from nbaccel.training import xla
+
+ENV_DEBUG = "ACCELERATE_DEBUG_MODE"  # Accelerate's switch, read by nbaccel too
+_debug: list[bool] = []  # set by PartialState.debug = ...; empty: the environment decides
+
+
+class DistributedOperationException(Exception):
+    """A collective was called with tensors whose shapes cannot go together on every rank
+    (raised before the collective in debug mode, instead of a hang or a gloo error)."""
+
+
+def debug_mode() -> bool:
+    """Whether collectives first check that every rank passes matching shapes
+    (``ACCELERATE_DEBUG_MODE=1``, or ``PartialState().debug = True``)."""
+    if _debug:
+        return _debug[-1]
+    return os.environ.get(ENV_DEBUG, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def set_debug_mode(on: bool) -> None:
+    """Turn the shape checks on or off for this process (``PartialState().debug = on``)."""
+    _debug[:] = [bool(on)]
+
+
+def _shapes(data: Any) -> list[tuple[int, ...]]:
+    found: list[tuple[int, ...]] = []
+    recursively_apply(lambda t: found.append(tuple(t.shape)), data)
+    return found
+
+
+def _check_shapes(operation: str, data: Any, free_dim: int | None = None) -> None:
+    """In debug mode, compare every rank's tensor shapes before ``operation`` runs: equal, or
+    (``free_dim``) equal but for that dimension. One small object collective."""
+    if _world() == 1 or not debug_mode():
+        return
+    shapes = _shapes(data)
+    key = shapes
+    if free_dim is not None:  # pad_across_processes: the padded dimension may differ
+        key = [_without(s, free_dim % len(s)) if s else s for s in shapes]
+    every: list[Any] = [None] * _world()
+    _comm().all_gather_object(every, (key, shapes))
+    if all(k == every[0][0] for k, _ in every):
+        return
+    listed = "\n".join(f"  rank {r}: {s}" for r, (_, s) in enumerate(every))
+    rule = " (only the padded dimension may differ)" if free_dim is not None else ""
+    raise DistributedOperationException(
+        f"{operation}: the tensors' shapes differ between ranks, so the collective cannot "
+        f"run:\n{listed}\nPass tensors of the same shape on every rank{rule}."
+    )
+
+
+def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    """``shape``'s rank and its sizes but for dimension ``dim``."""
+    return (len(shape), *shape[:dim], *shape[dim + 1 :])
 
 
 def _world() -> int:
@@ -135,6 +189,7 @@ def gather(tensor: Any) -> Any:
 
         preds = accelerator.gather(logits.argmax(-1))    # shape [world * batch]
     """
+    _check_shapes("gather", tensor)
     return recursively_apply(_gather_one, tensor)
 
 
@@ -166,6 +221,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         raise ValueError(
             f"reduction={reduction!r} is not supported; choose 'mean', 'sum', 'max' or 'none'."
         )
+    _check_shapes("reduce", tensor)
     op = _comm().ReduceOp.MAX if reduction == "max" else _comm().ReduceOp.SUM
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
@@ -206,6 +262,7 @@ def pad_across_processes(
         out[tuple(index)] = tensor
         return out
 
+    _check_shapes("pad_across_processes", tensor, free_dim=dim)
     return recursively_apply(one, tensor)
 
 
@@ -223,7 +280,41 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
             _comm().broadcast(tensor, src=from_process)
         return tensor
 
+    _check_shapes("broadcast", tensor)
     return recursively_apply(one, tensor)
+
+
+def _this_device() -> torch.device:
+    """This rank's device, as the process group sees it (a rank's CUDA device is current)."""
+    if xla.in_use():
+        return xla.detect()[4]
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The main process's ``tensor`` on every rank's device; the other ranks pass ``None``
+    (they need not know its shape or dtype).
+
+    Example::
+
+        table = copy_tensor_to_devices(load_table() if acc.is_main_process else None)
+    """
+    if _world() == 1:
+        if tensor is None:
+            raise ValueError("copy_tensor_to_devices: the main process passed None.")
+        return tensor
+    device = _this_device()
+    meta = [(tuple(tensor.shape), tensor.dtype) if tensor is not None else None]
+    _comm().broadcast_object_list(meta, src=0)
+    if meta[0] is None:
+        raise ValueError("copy_tensor_to_devices: the main process passed None.")
+    shape, dtype = meta[0]
+    out = (
+        tensor.to(device) if tensor is not None else torch.empty(shape, dtype=dtype, device=device)
+    )
+    return broadcast(out.contiguous(), 0)
 
 
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:

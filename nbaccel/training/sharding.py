@@ -4,8 +4,12 @@ Every rank computes the same epoch order and keeps its own slice, so rank r's ba
 r-th part of what one process with a ``world`` times larger batch sees at step k (that is what
 makes N-rank and 1-process training match). The order comes from the loader's own ``generator``
 when it has one (kept in step on every rank, and drawn exactly as a plain DataLoader draws it, so
-a seeded generator gives the same global order as without nbaccel), else from a seed shared at
-``prepare`` plus the epoch. Loaders built with a ``batch_sampler`` (or a BatchSampler as
+a seeded generator gives the same global order as without nbaccel). A RandomSampler without one
+draws from torch's global RNG where Accelerate's does, so ``set_seed`` gives the same run with
+either library: on N > 1 processes one draw at ``prepare`` seeds a generator that then runs on
+over the epochs (kept in step like a user's); on one process the sampler draws each epoch, as
+plain torch does. With ``DataLoaderConfiguration(data_seed=s)`` epoch ``e`` shuffles with
+``s + e`` instead. Loaders built with a ``batch_sampler`` (or a BatchSampler as
 ``sampler``) are dealt out batch by batch like Accelerate's ``BatchSamplerShard``: with
 ``even_batches`` every rank gets as many batches of the same size, padded from the start of the
 epoch, and ``remainder`` tells ``gather_for_metrics`` how many gathered samples are real.
@@ -17,6 +21,7 @@ epoch, and ``remainder`` tells ``gather_for_metrics`` how many gathered samples 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -103,10 +108,54 @@ def _sync_generator(generator: torch.Generator) -> None:
         generator.set_state(payload[0])
 
 
+class SeedableRandomSampler(RandomSampler):
+    """A RandomSampler whose order depends only on a seed and the epoch: epoch ``e`` shuffles
+    with ``initial_seed + e``, where ``initial_seed`` is ``data_seed``, else torch's initial
+    seed (what ``set_seed`` set). Every epoch that ends moves it to the next one.
+
+    Example::
+
+        sampler = SeedableRandomSampler(data_source=ds, data_seed=7)
+        loader = DataLoader(ds, batch_size=8, sampler=sampler)   # same order on every rank
+    """
+
+    def __init__(self, *args: Any, data_seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.initial_seed = data_seed if data_seed is not None else torch.random.initial_seed()
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if self.generator is None:
+            self.generator = torch.Generator()
+        self.generator.manual_seed(self.initial_seed + self.epoch)
+        yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
+
+
+def _draw() -> int:
+    """One 64-bit seed from torch's global RNG, drawn as torch's RandomSampler draws it."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
+
+
+def _unseeded_random(sampler: Any) -> bool:
+    """A RandomSampler that would draw its order from each rank's global RNG (a
+    SeedableRandomSampler orders itself from its seed and epoch)."""
+    return (
+        isinstance(sampler, RandomSampler)
+        and not isinstance(sampler, SeedableRandomSampler)
+        and sampler.generator is None
+    )
+
+
 class ShardedBatchSampler:
     """Yields this rank's index batches for ``epoch``, starting after ``skip`` batches."""
 
-    def __init__(self, loader: DataLoader, state: Any, split: bool, even: bool, seed: int):
+    def __init__(
+        self, loader: DataLoader, state: Any, split: bool, even: bool, data_seed: int | None
+    ):
         self.world, self.rank, self.even, self.split = (
             state.num_processes,
             state.process_index,
@@ -124,9 +173,21 @@ class ShardedBatchSampler:
         else:
             self.user_batch_sampler = None
         self.sampler = loader.sampler
+        # What Accelerate's BatchSamplerShard calls `batch_sampler`: the batches it deals out
+        # (a user's, or the loader's own BatchSampler over its sampler).
+        self.batch_sampler = self.user_batch_sampler or loader.batch_sampler
         self.drop_last = loader.drop_last
         inner = getattr(self.user_batch_sampler, "sampler", self.sampler)
         self.generator = getattr(inner, "generator", None)
+        self.data_seed = data_seed
+        self.epoch_seed: int | None = None  # one process: what this epoch's shuffle drew
+        self.resume_seed: int | None = None  # set by load_state_dict
+        self.shuffles_alone = _unseeded_random(inner)
+        if self.shuffles_alone and data_seed is None and self.world > 1:
+            # Accelerate's draw at prepare: a generator for the shuffle, then in step on
+            # every rank at each epoch's start and checkpointed, like a user's own.
+            self.generator = torch.Generator()
+            self.generator.manual_seed(_draw())
         self.loader_generator = loader.generator
         bs = loader.batch_size
         if bs is None and self.user_batch_sampler is None:
@@ -141,15 +202,40 @@ class ShardedBatchSampler:
                 "split_batches=False (each rank then loads batches of that size)."
             )
         self.per_rank = None if bs is None else (bs // self.world if split else bs)
-        self.seed, self.epoch, self.skip = seed, 0, 0
+        self.seed, self.epoch, self.skip = data_seed or 0, 0, 0
         self.remainder: int | None = None
         self.epoch_state: torch.Tensor | None = None  # the generator where this epoch started
         self.resume_state: torch.Tensor | None = None  # set by load_state_dict
 
+    @property
+    def even_batches(self) -> bool:
+        """Accelerate's name for ``even``."""
+        return self.even
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.even = value
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.per_rank
+
+    def _shuffle_generator(self) -> torch.Generator:
+        """The generator an unseeded RandomSampler shuffles this epoch with (module docstring)."""
+        if self.data_seed is not None:
+            return torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.world > 1:
+            return self.generator
+        if self.resume_seed is not None:  # resuming this epoch: its draw was made already
+            self.epoch_seed, self.resume_seed = self.resume_seed, None
+        else:
+            self.epoch_seed = _draw()
+        return torch.Generator().manual_seed(self.epoch_seed)
+
     def _order(self) -> list[int]:
         sampler = self.sampler
-        if isinstance(sampler, RandomSampler) and self.generator is None:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.shuffles_alone and self.user_batch_sampler is None:
+            generator = self._shuffle_generator()
             sampler = RandomSampler(
                 sampler.data_source,
                 replacement=sampler.replacement,
@@ -161,7 +247,7 @@ class ShardedBatchSampler:
         return list(sampler)
 
     def _start_generator(self) -> None:
-        """Put the user's generator where this epoch starts: in step on every rank, then the
+        """Put the shuffle's generator where this epoch starts: in step on every rank, then the
         draw a plain DataLoader makes for worker seeds, so the order matches one without nbaccel."""
         if self.generator is None:
             return
@@ -174,11 +260,26 @@ class ShardedBatchSampler:
         if self.loader_generator is not None:
             torch.empty((), dtype=torch.int64).random_(generator=self.loader_generator)
 
+    @contextlib.contextmanager
+    def _shared_shuffle(self, sampler: Any) -> Iterator[None]:
+        """A user's batch sampler over a RandomSampler without a generator would draw from each
+        rank's own global RNG, so ranks would deal different orders (samples twice or never):
+        for this epoch it draws from the seed shared at ``prepare`` instead, as ``_order`` does."""
+        if not self.shuffles_alone:
+            yield
+            return
+        sampler.generator = self._shuffle_generator()
+        try:
+            yield
+        finally:
+            sampler.generator = None
+
     def plan(self) -> EpochPlan:
         if self.user_batch_sampler is not None:
             if hasattr(self.user_batch_sampler, "set_epoch"):
                 self.user_batch_sampler.set_epoch(self.epoch)
-            every = [list(b) for b in self.user_batch_sampler]
+            with self._shared_shuffle(getattr(self.user_batch_sampler, "sampler", None)):
+                every = [list(b) for b in self.user_batch_sampler]
             size = getattr(self.user_batch_sampler, "batch_size", None)
             if self.split:
                 return self._split_batches(every, size)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nbaccel.core import xla_runtime
+from nbaccel.training import ops
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.state import DistributedType, GradientState, ProcessState, detect_state
 
@@ -44,6 +45,10 @@ class _Shared(dict):
     def __setitem__(self, key: str, value: Any) -> None:
         own = self._own()
         dict.__setitem__(own, key, value) if own is self else own.__setitem__(key, value)
+
+    def pop(self, key: str, default: Any = None) -> Any:
+        own = self._own()
+        return dict.pop(own, key, default) if own is self else own.pop(key, default)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
@@ -75,6 +80,7 @@ class PartialState(ProcessControl):
     def _from(cls, process: ProcessState, **extra: Any) -> PartialState:
         """The state an Accelerator made; it becomes what later ``PartialState()`` calls see."""
         _SHARED["process"] = process
+        _SHARED["distributed_type"] = None  # a new Accelerator: what it runs, not a set value
         _SHARED.update(extra)
         return cls()
 
@@ -90,7 +96,16 @@ class PartialState(ProcessControl):
     is_main_process = property(lambda self: self._process.is_main_process)
     is_local_main_process = property(lambda self: self._process.is_local_main_process)
     initialized = property(lambda self: True)
-    debug = property(lambda self: False)
+
+    @property
+    def debug(self) -> bool:
+        """Whether collectives first check that every rank passes matching shapes
+        (``ACCELERATE_DEBUG_MODE=1``); settable, for this process."""
+        return ops.debug_mode()
+
+    @debug.setter
+    def debug(self, on: bool) -> None:
+        ops.set_debug_mode(on)
 
     @property
     def is_last_process(self) -> bool:
@@ -102,7 +117,19 @@ class PartialState(ProcessControl):
 
     @property
     def distributed_type(self) -> DistributedType:
-        """NO, MULTI_CPU or MULTI_GPU (``AcceleratorState`` also knows FSDP)."""
+        """NO, MULTI_CPU or MULTI_GPU (``AcceleratorState`` also knows FSDP). Settable, as in
+        Accelerate, for code that tries another kind's branch; nbaccel's behaviour follows the
+        strategy it runs, not this value."""
+        chosen = _SHARED.get("distributed_type")
+        if chosen is not None:
+            return chosen
+        return self._detected_type()
+
+    @distributed_type.setter
+    def distributed_type(self, value: DistributedType | str | None) -> None:
+        _SHARED["distributed_type"] = None if value is None else DistributedType(value)
+
+    def _detected_type(self) -> DistributedType:
         if self.device.type == "xla":
             return DistributedType.XLA  # as Accelerate: XLA on one device too
         if not self.distributed:
@@ -156,6 +183,16 @@ class AcceleratorState(PartialState):
     is_fsdp2 = property(lambda self: self.strategy == "fsdp", doc="nbaccel's FSDP is FSDP2.")
     fork_launched = property(lambda self: False, doc="Ranks come from a fork server, not fork.")
 
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Accelerate's reset between two Accelerators with different settings, which ported
+        test code calls. Each nbaccel Accelerator sets its own, so this only forgets the last
+        one's settings (mixed precision, strategy, a set ``distributed_type``); the process and
+        its process group stay."""
+        for key in ("mixed_precision", "strategy", "fsdp_plugin", "deepspeed_plugin"):
+            _SHARED.pop(key, None)
+        _SHARED["distributed_type"] = None
+
     def get_deepspeed_plugin(self, name: str | None = None) -> Any:
         """The DeepSpeedPlugin in use (nbaccel takes one per Accelerator)."""
         if name is not None:
@@ -169,13 +206,12 @@ class AcceleratorState(PartialState):
         """Accelerate's switch between named DeepSpeed plugins; nbaccel has the one."""
         self.get_deepspeed_plugin(name)
 
-    @property
-    def distributed_type(self) -> DistributedType:
+    def _detected_type(self) -> DistributedType:
         if self.distributed and self.strategy == "fsdp":
             return DistributedType.FSDP
         if self.strategy == "deepspeed":  # as Accelerate: DEEPSPEED on one process too
             return DistributedType.DEEPSPEED
-        return super().distributed_type
+        return super()._detected_type()
 
     def __repr__(self) -> str:
         return super().__repr__() + f"Mixed precision type: {self.mixed_precision}\n"

@@ -40,8 +40,10 @@ _LAZY = {
     ),
     **dict.fromkeys(
         [
+            "DistributedOperationException",
             "broadcast",
             "broadcast_object_list",
+            "copy_tensor_to_devices",
             "gather",
             "gather_object",
             "pad_across_processes",
@@ -59,6 +61,7 @@ _LAZY = {
     **dict.fromkeys(["load_checkpoint_in_model"], _T + "model_files"),
     **dict.fromkeys(["skip_first_batches"], _T + "data"),
     **dict.fromkeys(["FullyShardedDataParallelPlugin"], _T + "fsdp_plugin"),
+    **dict.fromkeys(["merge_fsdp_weights", "save_fsdp_model"], _T + "fsdp_files"),
     **dict.fromkeys(["DeepSpeedPlugin"], _T + "deepspeed_plugin"),
     **dict.fromkeys(["DummyOptim", "DummyScheduler"], _T + "deepspeed_dummies"),
     **dict.fromkeys(["DistributedType"], _T + "state"),

@@ -79,5 +79,5 @@ def register_comm_hook(model: DistributedDataParallel, handler: Any) -> None:
         state = powerSGD_hook.PowerSGDState(process_group=None, **handler.comm_state_option)
         wrapper = getattr(handler.comm_wrapper, "value", handler.comm_wrapper)
         if wrapper in ("fp16", "bf16"):
-            hook = getattr(default_hooks, f"{wrapper}_wrapper")(hook)
+            hook = getattr(default_hooks, f"{wrapper}_compress_wrapper")(hook)
     model.register_comm_hook(state=state, hook=hook)
