@@ -46,10 +46,10 @@ def seeded_losses(lib: str, shuffle: bool = True, epochs: int = 2) -> list[float
     return losses
 
 
-def _run(lib: str, processes: int, **kwargs) -> list[list[float]]:
+def _run(lib: str, processes: int, function=seeded_losses, **kwargs) -> list[list[float]]:
     env = {"ACCELERATE_USE_CPU": "true"} if lib == "accelerate" else {}
     return nbaccel.notebook_launcher(
-        seeded_losses,
+        function,
         args=(lib,),
         kwargs=kwargs,
         num_processes=processes,
@@ -66,3 +66,39 @@ def test_same_losses_as_accelerate(processes, shuffle):
     theirs = _run("accelerate", processes, shuffle=shuffle)
     assert len(ours[0]) == 2 * 64 // (4 * processes)
     assert ours == theirs  # exact floats: every draw from the global RNG lines up
+
+
+def seeded_gpt2_losses(lib: str) -> list[float]:
+    """A tiny GPT-2 from a config (dropout in every block) on a shuffled loader."""
+    import importlib
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    module = importlib.import_module(lib)
+    importlib.import_module(f"{lib}.utils").set_seed(1234)
+    acc = module.Accelerator(cpu=True)
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8)
+    model = GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 32, (16, 8))
+    loader = DataLoader(TensorDataset(ids), batch_size=2, shuffle=True)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    losses = []
+    for (batch,) in loader:
+        loss = model(input_ids=batch, labels=batch).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_same_gpt2_losses_as_accelerate(processes):
+    pytest.importorskip("transformers")
+    ours = _run("nbaccel", processes, seeded_gpt2_losses)
+    theirs = _run("accelerate", processes, seeded_gpt2_losses)
+    assert len(ours[0]) == 16 // (2 * processes)
+    assert ours == theirs
