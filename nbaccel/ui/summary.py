@@ -14,6 +14,7 @@ from nbaccel.core.launch_state import LaunchState, RankState
 from nbaccel.ui.formats import format_bytes, format_seconds, format_si
 
 TEXT_TAIL = 20  # output lines per rank in the plain-text summary
+SHOWN_LINES = 10  # a rank's last output lines shown in the HTML summary; earlier ones fold
 STRAGGLER_MARK = "straggler"
 
 STATUS_COLOURS = {
@@ -264,7 +265,10 @@ def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None
         lines.append(f"  {logs_line(state)}")
     for rank, tail in sorted((outputs or {}).items()):
         if tail:
-            lines.append(f"-- rank {rank} output (last {min(len(tail), TEXT_TAIL)} lines) --")
+            if len(tail) > TEXT_TAIL:
+                lines.append(
+                    f"-- rank {rank}: the last {TEXT_TAIL} of {plural(len(tail), 'line')} --"
+                )
             lines += [f"{state.info.label(rank)}{line}" for line in tail[-TEXT_TAIL:]]
     return "\n".join(lines)
 
@@ -272,11 +276,43 @@ def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None
 CELL = "padding:2px 10px;text-align:left;white-space:nowrap;vertical-align:top"
 
 
+def plural(n: int, word: str) -> str:
+    """``1 line``, ``2 lines``, ``1,000 lines``.
+
+    >>> plural(1, "line"), plural(1000, "line")
+    ('1 line', '1,000 lines')
+    """
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+PRE = "margin:0;padding:0 4px;white-space:pre-wrap;overflow-wrap:anywhere"
+
+
+def output_html(rank: int, lines: list[str], label: str) -> str:
+    """A finished rank's output as the cell keeps it: its last ``SHOWN_LINES`` lines in view,
+    labelled as the text view labels them (``[rank0] …``), the earlier ones folded above them
+    (a ``<details>`` that opens in place, so a saved notebook keeps every line)."""
+    labelled = [html.escape(f"{label}{line}") for line in lines]
+    earlier, shown = labelled[:-SHOWN_LINES], labelled[-SHOWN_LINES:]
+    fold = ""
+    if earlier:
+        fold = (
+            f"<details><summary style='cursor:pointer;color:#57606a'>rank {rank}: show the "
+            f"{plural(len(earlier), 'earlier line')}</summary>"
+            f"<pre style='{PRE};max-height:30em;overflow:auto'>{chr(10).join(earlier)}</pre>"
+            "</details>"
+        )
+    return (
+        f"<div class='nbaccel-output' data-rank='{rank}' data-lines='{len(lines)}'>{fold}"
+        f"<pre style='{PRE}'>{chr(10).join(shown)}</pre></div>"
+    )
+
+
 def summary_html(
     state: LaunchState, outputs: dict[int, list[str]] | None = None, charts: bool = False
 ) -> str:
-    """The table as static HTML; optionally the metric charts (SVG) and each rank's output in a
-    collapsed ``<details>``, so a saved notebook keeps what the live dashboard showed."""
+    """The table as static HTML; optionally the metric charts (SVG) and each rank's output
+    (:func:`output_html`), so a saved notebook keeps what the live dashboard showed."""
     header, rows = _rows(state)
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in header)
     body = []
@@ -305,13 +341,11 @@ def summary_html(
         from nbaccel.ui.chart import metrics_charts
 
         after += metrics_charts({r.rank: r.history for r in state.ranks.values()})
-    for rank, tail in sorted((outputs or {}).items()):
-        if tail:
-            after += (
-                f"<details class='nbaccel-output' data-rank='{rank}'><summary>rank {rank} output "
-                f"({len(tail)} lines)</summary><pre style='max-height:20em;overflow:auto'>"
-                f"{html.escape(chr(10).join(tail))}</pre></details>"
-            )
+    after += "".join(
+        output_html(rank, tail, state.info.label(rank))
+        for rank, tail in sorted((outputs or {}).items())
+        if tail
+    )
     return (
         f"<div class='nbaccel-summary'><div style='font-weight:600'>"
         f"{html.escape(headline(state))}</div>{extra}{table}{after}</div>"
