@@ -44,6 +44,7 @@ class Command:
     values: dict[str, bytes] | None = None  # "push": name -> cloudpickled value
     names: list[str] | None = None  # "pull": the names to send back
     want_value: bool = False  # "run": send the final expression's value back, pickled
+    kernel_cell: int | None = None  # "run" from %%ranks: the notebook cell's In[n] (kernel only)
 
 
 @dataclasses.dataclass

@@ -70,6 +70,8 @@ _START.add_argument("--gpus", type=_ints, default=None)
 _CELL = _Parser(prog="%%ranks", add_help=False)
 _CELL.add_argument("--rank", "--ranks", type=_ints, default=None)
 _CELL.add_argument("--timeout", type=_seconds, default=None)
+AUTO_FLAG = "--auto-mode"  # what auto mode's transformer adds: the cell has no %%ranks line
+_CELL.add_argument(AUTO_FLAG, action="store_true", help=argparse.SUPPRESS)
 
 
 @magics_class
@@ -185,6 +187,7 @@ class RanksMagics(Magics):
 
     def _run_cell(self, line: str, cell: str) -> None:
         __tracebackhide__ = True
+        from nbaccel.core.local_traceback import running_cell
         from nbaccel.launch.plan import UNSET
 
         a = _CELL.parse_args(_words(line))
@@ -196,7 +199,15 @@ class RanksMagics(Magics):
                 session._select(a.rank)
             except ValueError as exc:
                 raise UsageError(f"%%ranks --rank: {exc}") from None
-        reprs = session.run(cell, ranks=a.rank, timeout=timeout, values=False)
+        # A blank first line stands for the %%ranks line: tracebacks then count lines as the
+        # notebook shows them, in the cell IPython names (Cell In[n]).
+        reprs = session.run(
+            ("" if a.auto_mode else "\n") + cell,
+            ranks=a.rank,
+            timeout=timeout,
+            values=False,
+            kernel_cell=running_cell(),
+        )
         ranks = a.rank if a.rank is not None else range(len(reprs))
         for rank, text in zip(sorted(set(ranks)), reprs, strict=True):
             if text is not None:
@@ -226,7 +237,7 @@ class RanksMagics(Magics):
             return lines[:index] + lines[index + 1 :]
         if not self.auto or not first or first.startswith(("%ranks", "%%ranks")):
             return lines
-        return ["%%ranks\n", *lines]
+        return [f"%%ranks {AUTO_FLAG}\n", *lines]
 
     def complete(self, context: Any) -> dict[str, Any]:
         """Tab completion of the names defined on the ranks, with their types (IPython's

@@ -27,6 +27,7 @@ from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
+from nbaccel.core.local_traceback import name_cell
 from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
 from nbaccel.launch import root_cause
 from nbaccel.launch.containment import sigint_deferred
@@ -107,6 +108,8 @@ class _Follow:
         if self.command.code is not None:  # the rank's traceback then shows the cell's lines
             name, code = cell_filename(self.command.cell), self.command.code
             linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
+            if self.command.kernel_cell is not None:  # and names it as IPython does: In[n]
+                name_cell(name, self.command.kernel_cell)
         data = pickle.dumps(self.command, protocol=pickle.HIGHEST_PROTOCOL)
         # Every rank gets the command or none does: a Ctrl-C between two sends would leave
         # one rank running a cell the kernel no longer follows.
@@ -298,6 +301,7 @@ def reset_state(state: LaunchState, ranks: list[int]) -> None:
     """Mark ``ranks`` as running a new cell (the others keep their last status)."""
     now = time.monotonic()
     state.started_at, state.ended_at, state.outcome = now, None, None
+    state.longest_stall, state.stacks_requested_at = 0.0, None  # this cell's stalls only
     for rank in ranks:
         s = state.ranks[rank]
         s.status, s.started_at, s.ended_at, s.error_line = RUNNING, now, None, None

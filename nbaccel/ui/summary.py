@@ -250,12 +250,15 @@ def headline(state: LaunchState) -> str:
     return f"nbaccel: {describe(state)} — {outcome}; launch took {took} (start to last exit)"
 
 
-def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None) -> str:
-    """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too."""
+def summary_text(
+    state: LaunchState, outputs: dict[int, list[str]] | None = None, title: str | None = None
+) -> str:
+    """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too.
+    ``title`` replaces the launch's headline."""
     header, body = _rows(state)
     rows = [header, *body]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [headline(state)]
+    lines = [headline(state) if title is None else title]
     if any(r.bars for r in state.ranks.values()):
         lines.append("  " + run_line(state))
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -274,6 +277,8 @@ def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None
 
 
 CELL = "padding:2px 10px;text-align:left;white-space:nowrap;vertical-align:top"
+# The metrics column wraps between its values, so a narrow window shows all of them.
+WRAP_CELL = CELL.replace("white-space:nowrap", "white-space:normal;min-width:14ch")
 
 
 def plural(n: int, word: str) -> str:
@@ -309,7 +314,10 @@ def output_html(rank: int, lines: list[str], label: str) -> str:
 
 
 def summary_html(
-    state: LaunchState, outputs: dict[int, list[str]] | None = None, charts: bool = False
+    state: LaunchState,
+    outputs: dict[int, list[str]] | None = None,
+    charts: bool = False,
+    title: str | None = None,
 ) -> str:
     """The table as static HTML; optionally the metric charts (SVG) and each rank's output
     (:func:`output_html`), so a saved notebook keeps what the live dashboard showed."""
@@ -319,8 +327,9 @@ def summary_html(
     for cells, rank in zip(rows, sorted(state.ranks.values(), key=lambda r: r.rank)):
         colour = STATUS_COLOURS.get(rank.status, "inherit")
         tds = "".join(
-            f"<td style='{CELL};{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
-            for i, c in enumerate(cells)
+            f"<td style='{WRAP_CELL if h == 'metrics' else CELL};"
+            f"{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
+            for i, (h, c) in enumerate(zip(header, cells))
         )
         body.append(
             f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}'>{tds}</tr>"
@@ -348,5 +357,5 @@ def summary_html(
     )
     return (
         f"<div class='nbaccel-summary'><div style='font-weight:600'>"
-        f"{html.escape(headline(state))}</div>{extra}{table}{after}</div>"
+        f"{html.escape(headline(state) if title is None else title)}</div>{extra}{table}{after}</div>"
     )
