@@ -68,6 +68,20 @@ PANE_AT_TAIL = """(rank) => {
 }"""
 
 
+# When the config panel (the cell before the first launch) and the launch's live view first
+# appear, recorded in the page from its start.
+FIRST_APPEARANCE = """() => {
+    window.nbaccelSeen = {};
+    new MutationObserver(() => {
+        for (const [name, selector] of [["config", ".nbaccel-config"], ["live", ".nbaccel-live"]]) {
+            if (!window.nbaccelSeen[name] && document.querySelector(selector)) {
+                window.nbaccelSeen[name] = performance.now();
+            }
+        }
+    }).observe(document, {childList: true, subtree: true});
+}"""
+
+
 def show(page, selector: str) -> None:
     """Scroll the notebook so that ``selector`` is on screen (the notebook scrolls, not the page)."""
     page.locator(selector).last.scroll_into_view_if_needed()
@@ -84,7 +98,16 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
     with bh.JupyterLab(tmp_path, env=env) as lab, bh.chromium_page() as page:
         try:
             page.set_default_timeout(90_000)
+            page.add_init_script(f"({FIRST_APPEARANCE})()")
             bh.run_all_cells(page, lab, "launch.ipynb")
+
+            # The first launch after the import cell shows its view at once, not after the
+            # fork server has imported torch (a blank cell for 1.2-2.6 s before).
+            page.wait_for_selector(".nbaccel-live")
+            show(page, ".nbaccel-live")
+            bh.screenshot(page, "launch-first-second")
+            seen = page.evaluate("() => window.nbaccelSeen")
+            assert seen["live"] - seen["config"] < 1000, f"the live view came late: {seen}"
 
             hardware = page.wait_for_selector(".nbaccel-config .nbaccel-hardware")
             assert "CPU:" in hardware.inner_text()
@@ -124,7 +147,16 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
                 assert rows.nth(i).get_attribute("data-status") == "finished"
                 assert "25/25" in rows.nth(i).inner_text()
             assert "(straggler)" in rows.nth(1).inner_text()
-            show(page, ".nbaccel-summary")
+            # The ranks' output stays in view: the last lines, labelled; the rest folded above.
+            for rank in (0, 1):
+                output = page.locator(f".nbaccel-summary .nbaccel-output[data-rank='{rank}']")
+                shown = output.locator(":scope > pre").inner_text()
+                assert shown.splitlines()[-1] == f"[rank{rank}] rank done", shown
+                assert output.locator("details").count() == 1
+                assert output.locator("summary").inner_text().startswith(
+                    f"rank {rank}: show the "
+                ), output.locator("summary").inner_text()
+            show(page, ".nbaccel-summary .nbaccel-output[data-rank='1']")
             bh.screenshot(page, "dashboard-finished")
 
             # A stall: no rank advances for 3 s; the notice says where each rank waits.

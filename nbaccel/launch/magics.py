@@ -201,12 +201,14 @@ class RanksMagics(Magics):
                 raise UsageError(f"%%ranks --rank: {exc}") from None
         # A blank first line stands for the %%ranks line: tracebacks then count lines as the
         # notebook shows them, in the cell IPython names (Cell In[n]).
+        number = running_cell()
+        shown = cell if a.auto_mode else f"%%ranks {line}".rstrip() + "\n" + cell
         reprs = session.run(
             ("" if a.auto_mode else "\n") + cell,
             ranks=a.rank,
             timeout=timeout,
             values=False,
-            kernel_cell=running_cell(),
+            kernel_cell=None if number is None else (number, shown),
         )
         ranks = a.rank if a.rank is not None else range(len(reprs))
         for rank, text in zip(sorted(set(ranks)), reprs, strict=True):

@@ -244,14 +244,15 @@ class Ranks:
         *,
         values: bool = True,
         on_reply: Callable[[Done], None] | None = None,
-        kernel_cell: int | None = None,
+        kernel_cell: tuple[int, str] | None = None,
     ) -> list[Any]:
         """Run ``code`` on every (or the listed) rank; return each rank's final-expression value.
 
         Values come back on the CPU (models as copies); one that cannot be pickled comes back
         as its ``repr``. With ``values=False`` the values stay on the ranks and their ``repr``
         strings are returned instead (what ``%%ranks`` shows as ``[rankN] Out:``).
-        ``kernel_cell``: the notebook cell (``In[n]``) the code is from, for tracebacks.
+        ``kernel_cell``: the notebook cell the code is from, as ``(n of In[n], its text)``, so
+        tracebacks name it and show its lines.
 
         Example::
 
@@ -259,7 +260,14 @@ class Ranks:
         """
         __tracebackhide__ = True
         done = self._run(
-            Command(cell=0, kind="run", code=code, want_value=values, kernel_cell=kernel_cell),
+            Command(
+                cell=0,
+                kind="run",
+                code=code,
+                want_value=values,
+                kernel_cell=kernel_cell[0] if kernel_cell else None,
+                kernel_source=kernel_cell[1] if kernel_cell else None,
+            ),
             ranks,
             timeout,
             on_reply,

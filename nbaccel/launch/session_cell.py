@@ -106,7 +106,8 @@ class _Follow:
 
     def run(self) -> dict[int, Done]:
         if self.command.code is not None:  # the rank's traceback then shows the cell's lines
-            name, code = cell_filename(self.command.cell), self.command.code
+            name = cell_filename(self.command.cell)
+            code = self.command.kernel_source or self.command.code
             linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
             if self.command.kernel_cell is not None:  # and names it as IPython does: In[n]
                 name_cell(name, self.command.kernel_cell)

@@ -264,7 +264,7 @@ def summary_text(
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if state.longest_stall:
         lines.append(f"  {stall_summary(state)}")
-    if logs_line(state):
+    if logs_line(state) and title is None:  # a cell's lines are in the cell
         lines.append(f"  {logs_line(state)}")
     for rank, tail in sorted((outputs or {}).items()):
         if tail:
@@ -320,7 +320,9 @@ def summary_html(
     title: str | None = None,
 ) -> str:
     """The table as static HTML; optionally the metric charts (SVG) and each rank's output
-    (:func:`output_html`), so a saved notebook keeps what the live dashboard showed."""
+    (:func:`output_html`), so a saved notebook keeps what the live dashboard showed.
+    ``title`` replaces the launch's headline (a ``%%ranks`` cell's status), and then the log
+    folder goes unsaid: the cell shows its lines itself."""
     header, rows = _rows(state)
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in header)
     body = []
@@ -339,7 +341,7 @@ def summary_html(
         extra = f"<div class='nbaccel-run'>{html.escape(run_line(state))}</div>"
     if state.longest_stall:
         extra += f"<div class='nbaccel-stall'>{html.escape(stall_summary(state))}</div>"
-    if logs_line(state):
+    if logs_line(state) and title is None:
         extra += f"<div class='nbaccel-logs'><code>{html.escape(logs_line(state))}</code></div>"
     table = (
         "<table style='border-collapse:collapse;font-family:monospace;margin:0'>"
