@@ -153,8 +153,8 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
                 shown = output.locator(":scope > pre").inner_text()
                 assert shown.splitlines()[-1] == f"[rank{rank}] rank done", shown
                 assert output.locator("details").count() == 1
-                assert output.locator("summary").inner_text().startswith(
-                    f"rank {rank}: show the "
+                assert (
+                    output.locator("summary").inner_text().startswith(f"rank {rank}: show the ")
                 ), output.locator("summary").inner_text()
             show(page, ".nbaccel-summary .nbaccel-output[data-rank='1']")
             bh.screenshot(page, "dashboard-finished")
