@@ -193,7 +193,10 @@ def test_half_done_collective_breaks_the_group_without_hanging(ranks):
     assert time.monotonic() - started < 30
     text = cell.error_text
     assert "ranks are broken" in text and "all_reduce" in text and "%ranks start" in text
-    assert "skip the sum" in text  # the cause: rank 0's traceback
+    assert "skip the sum" in text  # the cause: rank 0's traceback, as a local error's
+    n = cell.of_type("execute_input")[0]["content"]["execution_count"]
+    assert f"in rank 0:\nCell In[{n}], line 3" in text and "<rank cell" not in text, text
+    assert "Traceback (most recent call last):" not in text  # no raw Python traceback too
     assert _gone(pids)
     cell = ranks.execute("%%ranks\n1")
     assert "broken" in cell.error_text  # until started again
