@@ -105,10 +105,11 @@ class Dashboard:
 
     def update(self) -> None:
         now = time.monotonic()
-        if self._state is None or now - self._last_push < MIN_INTERVAL:
+        if self._state is None:
             return
-        self._memory.sample(self._state)
-        self._push(now, final=False)
+        self._memory.sample(self._state)  # between pushes too: a short rank's only chance
+        if now - self._last_push >= MIN_INTERVAL:
+            self._push(now, final=False)
 
     def finish(self) -> None:
         if self._state is None:

@@ -31,7 +31,9 @@ class MemorySampler:
         """Every ``INTERVAL`` seconds (or ``force``); a rank not measured yet at once, so a
         short launch's summary shows its memory too."""
         now = time.monotonic()
-        unmeasured = any(r.rss is None and r.pid is not None for r in state.ranks.values())
+        unmeasured = any(
+            r.rss is None and r.pid is not None and not r.done for r in state.ranks.values()
+        )
         if not force and not unmeasured and now - self._at < INTERVAL:
             return
         self._at = now
