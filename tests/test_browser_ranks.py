@@ -35,7 +35,7 @@ def test_a_ranks_session_reads_as_a_repl_in_jupyterlab(tmp_path):
         try:
             page.set_default_timeout(60_000)
             bh.run_all_cells(page, lab, "ranks.ipynb")
-            page.wait_for_selector(f"{OUTPUT}:has-text('2 ranks ready')")
+            page.wait_for_selector(f"{OUTPUT}:has-text('starting 2 ranks… ready')")
             page.wait_for_selector(".nbaccel-live tr.nbaccel-rank[data-status='running']")
             bh.screenshot(page, "ranks-cell-live")
             page.wait_for_selector(f"{OUTPUT}:has-text('ValueError: only rank 1')")

@@ -36,7 +36,7 @@ def ranks(kernel):
         # A trailing comment, as the README writes it: IPython passes it to line magics.
         cell = kernel.execute("%ranks start -n 2 --timeout 60  # gloo on CPU")
         assert cell.error is None, cell.error_text
-        assert "2 ranks ready" in cell.stdout
+        assert cell.stdout.startswith("nbaccel: starting 2 ranks… ready (2 processes")
     return kernel
 
 
@@ -285,6 +285,16 @@ def test_names_on_the_ranks_complete_with_tab_and_status_lists_ranks(ranks):
     assert "idle" in text and "cpu" in text and "MiB" in text
     for pid in _pids(ranks):
         assert str(pid) in text
+
+
+def test_restart_says_at_once_what_it_is_doing(ranks):
+    sent = time.monotonic()
+    cell = ranks.execute("%ranks restart")
+    assert cell.error is None, cell.error_text
+    first = cell.of_type("stream")[0]
+    assert first["content"]["text"] == "nbaccel: restarting 2 ranks… "
+    assert first["received_at"] - sent < 1.0, "a blank cell while the ranks start"
+    assert cell.stdout == "nbaccel: restarting 2 ranks… ready\n"
 
 
 def test_stop_leaves_nothing_running(ranks):

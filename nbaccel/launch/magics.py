@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import ast
 import atexit
+import contextlib
 import shlex
+from collections.abc import Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -130,21 +132,24 @@ class RanksMagics(Magics):
             timeout=a.timeout,
             gpus=a.gpus,
         )
-        try:
-            self.session = Ranks(**self._start_args)
-        except ValueError as exc:  # a ConfigError: a bad -n, --strategy, --mixed_precision, ...
-            raise UsageError(f"%ranks start: {exc}\n\n{USAGE.splitlines()[0]}") from None
-        print(
-            f"nbaccel: {self.session.world_size} ranks ready ({self.session._plan.info.describe()})"
-        )
+        how_many = f"{a.num_processes} ranks" if a.num_processes is not None else "the ranks"
+        with _starting(f"nbaccel: starting {how_many}… "):
+            try:
+                self.session = Ranks(**self._start_args)
+            except ValueError as exc:  # a ConfigError: a bad -n, --strategy, --mixed_precision
+                raise UsageError(f"%ranks start: {exc}\n\n{USAGE.splitlines()[0]}") from None
+        s = self.session
+        counted = "" if a.num_processes is not None else f"{s.world_size} ranks "
+        print(f"{counted}ready ({s._plan.info.describe()})")
 
     def _cmd_restart(self, words: list[str]) -> None:
         __tracebackhide__ = True
         if self.session is None:
             raise UsageError("no ranks to restart; run `%ranks start -n 2` first.")
-        self.session.stop()
-        self.session.start()
-        print(f"nbaccel: {self.session.world_size} ranks restarted")
+        with _starting(f"nbaccel: restarting {self.session.world_size} ranks… "):
+            self.session.stop()
+            self.session.start()
+        print("ready")
 
     def _cmd_stop(self, words: list[str]) -> None:
         if self.session is not None and self.session.started:
@@ -268,6 +273,18 @@ def register(shell: Any) -> RanksMagics:
     shell._nbaccel_ranks_magics = magics
     atexit.register(magics._stop_at_exit)
     return magics
+
+
+@contextlib.contextmanager
+def _starting(text: str) -> Iterator[None]:
+    """Say at once what takes seconds (the cell is not blank meanwhile); the caller ends the
+    line when it is done, and an error starts on a line of its own."""
+    print(text, end="", flush=True)
+    try:
+        yield
+    except BaseException:
+        print(flush=True)
+        raise
 
 
 def _refuse_kernel_syntax(cell: str) -> None:
