@@ -23,7 +23,8 @@ def train(epochs):
     rank = nbaccel.Accelerator().process_index
     for epoch in nbaccel.progress(range(epochs), desc="epoch"):
         for i in nbaccel.progress(range(25), desc="batch", unit_scale=8):
-            nbaccel.log({"loss": 1.0 / (epoch * 25 + i + 1)}, step=epoch * 25 + i)
+            step = epoch * 25 + i
+            nbaccel.log({"loss": 1.0 / (step + 1), "lr": 0.011 - step * 5e-6}, step=step)
             # rank 1 is slower on purpose: the dashboard marks it as a straggler
             time.sleep(0.04 if rank == 1 else 0.01)
             for k in range(3):
@@ -82,6 +83,14 @@ FIRST_APPEARANCE = """() => {
 }"""
 
 
+# How far each rank's metrics cell runs past the output area's right edge (px).
+METRICS_OVERFLOW = """() => [...document.querySelectorAll('.nbaccel-live tr.nbaccel-rank')].map(row => {
+    const cell = row.lastElementChild.getBoundingClientRect();
+    const area = row.closest('.jp-OutputArea-output').getBoundingClientRect();
+    return cell.right - area.right;
+})"""
+
+
 def show(page, selector: str) -> None:
     """Scroll the notebook so that ``selector`` is on screen (the notebook scrolls, not the page)."""
     page.locator(selector).last.scroll_into_view_if_needed()
@@ -137,6 +146,12 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
                 ".map(b => b.innerText)"
             )
             assert not cut, f"labels cut short: {cut}"  # e.g. "sh..." or "DEEPS..."
+            # Every metric is in view: the column wraps rather than running past the cell.
+            overflow = page.evaluate(METRICS_OVERFLOW)
+            assert overflow and all(o <= 1 for o in overflow), f"metrics cut off by {overflow} px"
+            lr_axis = page.locator(".nbaccel-live .nbaccel-chart[data-metric='lr'] text")
+            labels = lr_axis.all_text_contents()
+            assert "m" not in "".join(labels[1:3]) and labels[1].startswith("0.01"), labels
             tail = page.evaluate(PANE_AT_TAIL, 0)
             assert tail["atTail"], f"the pane should show its newest line: {tail}"
 

@@ -163,7 +163,7 @@ def test_memory_is_measured_at_once_and_a_zombie_does_not_read_as_0_mib():
         os.waitpid(child, 0)
 
 
-def test_metrics_column_wraps():
+def test_metrics_status_and_rate_columns_wrap_the_others_do_not():
     state = make_state(2)
     for r in state.ranks.values():
         r.metrics = {"loss": 2.37, "lr": 0.01, "grad_norm": 1.5, "tokens": 512.0}
@@ -171,7 +171,8 @@ def test_metrics_column_wraps():
     for html in (live, final):
         cells = re.findall(r"<td style='([^']*)'>[^<]*loss=", html)
         assert cells and all("white-space:normal" in c for c in cells), html
-        assert all("white-space:nowrap" in c for c in re.findall(r"<td style='([^']*)'>rank", html))
+        elapsed = re.findall(r"<td style='([^']*)'>\d+:\d\d</td>", html)  # "40:54"
+        assert elapsed and all("white-space:nowrap" in c for c in elapsed), html
 
 
 def test_pane_keeps_the_last_lines_and_counts_dropped_ones():

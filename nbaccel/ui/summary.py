@@ -277,8 +277,10 @@ def summary_text(
 
 
 CELL = "padding:2px 10px;text-align:left;white-space:nowrap;vertical-align:top"
-# The metrics column wraps between its values, so a narrow window shows all of them.
-WRAP_CELL = CELL.replace("white-space:nowrap", "white-space:normal;min-width:14ch")
+# Columns that wrap between their words (a status and its straggler mark, a step rate and its
+# sample rate, one metric per line) so the table fits a narrow window instead of being cut off.
+WRAP_CELL = CELL.replace("white-space:nowrap", "white-space:normal")
+WRAPPING = ("status", "rate", "metrics")
 
 
 def plural(n: int, word: str) -> str:
@@ -329,7 +331,7 @@ def summary_html(
     for cells, rank in zip(rows, sorted(state.ranks.values(), key=lambda r: r.rank)):
         colour = STATUS_COLOURS.get(rank.status, "inherit")
         tds = "".join(
-            f"<td style='{WRAP_CELL if h == 'metrics' else CELL};"
+            f"<td style='{WRAP_CELL if h in WRAPPING else CELL};"
             f"{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
             for i, (h, c) in enumerate(zip(header, cells))
         )

@@ -15,6 +15,7 @@ from nbaccel.ui.summary import (
     STATUS_COLOURS,
     STRAGGLER_MARK,
     WRAP_CELL,
+    WRAPPING,
     describe,
     format_count,
     format_memory,
@@ -78,7 +79,7 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
     )
     mark = (
         f" <span class='nbaccel-straggler' title='step rate 20% or more below the median' "
-        f"style='color:#9a6700;font-weight:600'>▼ {STRAGGLER_MARK}</span>"
+        f"style='color:#9a6700;font-weight:600'>▼&nbsp;{STRAGGLER_MARK}</span>"
         if straggler
         else ""
     )
@@ -94,7 +95,7 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
         html.escape(format_metrics(rank.metrics if metrics is None else metrics) or "-"),
     ]
     tds = "".join(
-        f"<td style='{WRAP_CELL if name == 'metrics' else CELL}'>{c}</td>"
+        f"<td style='{WRAP_CELL if name in WRAPPING else CELL}'>{c}</td>"
         for name, c in zip(COLUMNS, cells)
     )
     failed = rank.status == FAILED
