@@ -290,3 +290,18 @@ def test_text_view_repeats_a_stall_notice_only_when_it_doubles_or_moves(capsys):
     state.ranks[0].started_at = now - 70  # the stall has more than doubled
     view.update()
     assert capsys.readouterr().out.count("nbaccel: stalled?") == 1
+
+
+def test_a_ranks_cell_ends_with_a_status_line_only_when_it_ran_long(capsys):
+    from nbaccel.ui.cell_view import CellView
+
+    for took, shown in ((0.5, False), (12.0, True)):
+        state = make_state(2)
+        state.ranks[0].status = RankStatus.FINISHED  # an earlier cell's rank: not this cell's
+        view = CellView()
+        view.start(state)
+        state.ranks[1].status, state.ranks[1].rss = RankStatus.FINISHED, 300 << 20
+        state.ended_at = state.started_at + took
+        view.finish()
+        out = capsys.readouterr().out
+        assert out == ("nbaccel: rank 1 finished in 12.0 s · RSS 300 MiB\n" if shown else ""), out

@@ -6,9 +6,10 @@ table: a cell that reports progress (``nbaccel.progress``, ``nbaccel.log``) gets
 dashboard's table and charts (widget frontends) or progress lines (text), for the cell's ranks
 only, and a cell ends with one status line only when it ran long or stalled on the way.
 
-Example::
+``nbaccel.Ranks`` gives each cell one (``launch/session.py``), e.g. for ``%%ranks --rank 1`` in
+JupyterLab:
 
-    ranks.run("print('hi')", view=CellView(ranks=[0, 1]))   # [rank0] hi / [rank1] hi
+>>> view = CellView(ranks=[1], widgets=True)   # [rank1] lines; a table only with progress
 """
 
 from __future__ import annotations
