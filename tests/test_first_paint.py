@@ -15,7 +15,8 @@ from tests.kernel_helpers import KernelSession
 
 pytestmark = pytest.mark.slow
 
-FIRST_PAINT = 1.0  # s from the execute request: 0.2-0.6 s here; 1.24 s (1.2-2.6 s) when the view came last
+# s from the execute request: 0.2-0.6 s here; 1.24 s (1.2-2.6 s) when the view came last
+FIRST_PAINT = 1.0
 
 PRINTS = """def train(lines):
     import nbaccel
