@@ -23,7 +23,8 @@ def train(epochs):
     rank = nbaccel.Accelerator().process_index
     for epoch in nbaccel.progress(range(epochs), desc="epoch"):
         for i in nbaccel.progress(range(25), desc="batch", unit_scale=8):
-            nbaccel.log({"loss": 1.0 / (epoch * 25 + i + 1)}, step=epoch * 25 + i)
+            step = epoch * 25 + i
+            nbaccel.log({"loss": 1.0 / (step + 1), "lr": 0.011 - step * 5e-6}, step=step)
             # rank 1 is slower on purpose: the dashboard marks it as a straggler
             time.sleep(0.04 if rank == 1 else 0.01)
             for k in range(3):
@@ -68,6 +69,28 @@ PANE_AT_TAIL = """(rank) => {
 }"""
 
 
+# When the config panel (the cell before the first launch) and the launch's live view first
+# appear, recorded in the page from its start.
+FIRST_APPEARANCE = """() => {
+    window.nbaccelSeen = {};
+    new MutationObserver(() => {
+        for (const [name, selector] of [["config", ".nbaccel-config"], ["live", ".nbaccel-live"]]) {
+            if (!window.nbaccelSeen[name] && document.querySelector(selector)) {
+                window.nbaccelSeen[name] = performance.now();
+            }
+        }
+    }).observe(document, {childList: true, subtree: true});
+}"""
+
+
+# How far each rank's metrics cell runs past the output area's right edge (px).
+METRICS_OVERFLOW = """() => [...document.querySelectorAll('.nbaccel-live tr.nbaccel-rank')].map(row => {
+    const cell = row.lastElementChild.getBoundingClientRect();
+    const area = row.closest('.jp-OutputArea-output').getBoundingClientRect();
+    return cell.right - area.right;
+})"""
+
+
 def show(page, selector: str) -> None:
     """Scroll the notebook so that ``selector`` is on screen (the notebook scrolls, not the page)."""
     page.locator(selector).last.scroll_into_view_if_needed()
@@ -84,7 +107,16 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
     with bh.JupyterLab(tmp_path, env=env) as lab, bh.chromium_page() as page:
         try:
             page.set_default_timeout(90_000)
+            page.add_init_script(f"({FIRST_APPEARANCE})()")
             bh.run_all_cells(page, lab, "launch.ipynb")
+
+            # The first launch after the import cell shows its view at once, not after the
+            # fork server has imported torch (a blank cell for 1.2-2.6 s before).
+            page.wait_for_selector(".nbaccel-live")
+            show(page, ".nbaccel-live")
+            bh.screenshot(page, "launch-first-second")
+            seen = page.evaluate("() => window.nbaccelSeen")
+            assert seen["live"] - seen["config"] < 1000, f"the live view came late: {seen}"
 
             hardware = page.wait_for_selector(".nbaccel-config .nbaccel-hardware")
             assert "CPU:" in hardware.inner_text()
@@ -114,6 +146,12 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
                 ".map(b => b.innerText)"
             )
             assert not cut, f"labels cut short: {cut}"  # e.g. "sh..." or "DEEPS..."
+            # Every metric is in view: the column wraps rather than running past the cell.
+            overflow = page.evaluate(METRICS_OVERFLOW)
+            assert overflow and all(o <= 1 for o in overflow), f"metrics cut off by {overflow} px"
+            lr_axis = page.locator(".nbaccel-live .nbaccel-chart[data-metric='lr'] text")
+            labels = lr_axis.all_text_contents()
+            assert "m" not in "".join(labels[1:3]) and labels[1].startswith("0.01"), labels
             tail = page.evaluate(PANE_AT_TAIL, 0)
             assert tail["atTail"], f"the pane should show its newest line: {tail}"
 
@@ -124,7 +162,16 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
                 assert rows.nth(i).get_attribute("data-status") == "finished"
                 assert "25/25" in rows.nth(i).inner_text()
             assert "(straggler)" in rows.nth(1).inner_text()
-            show(page, ".nbaccel-summary")
+            # The ranks' output stays in view: the last lines, labelled; the rest folded above.
+            for rank in (0, 1):
+                output = page.locator(f".nbaccel-summary .nbaccel-output[data-rank='{rank}']")
+                shown = output.locator(":scope > pre").inner_text()
+                assert shown.splitlines()[-1] == f"[rank{rank}] rank done", shown
+                assert output.locator("details").count() == 1
+                assert (
+                    output.locator("summary").inner_text().startswith(f"rank {rank}: show the ")
+                ), output.locator("summary").inner_text()
+            show(page, ".nbaccel-summary .nbaccel-output[data-rank='1']")
             bh.screenshot(page, "dashboard-finished")
 
             # A stall: no rank advances for 3 s; the notice says where each rank waits.

@@ -36,7 +36,7 @@ def ranks(kernel):
         # A trailing comment, as the README writes it: IPython passes it to line magics.
         cell = kernel.execute("%ranks start -n 2 --timeout 60  # gloo on CPU")
         assert cell.error is None, cell.error_text
-        assert "2 ranks ready" in cell.stdout
+        assert cell.stdout.startswith("nbaccel: starting 2 ranks… ready (2 processes")
     return kernel
 
 
@@ -159,7 +159,12 @@ def test_error_on_one_rank_shows_its_traceback_and_ranks_live_on(ranks):
         "%%ranks\nif accelerator.process_index == 1:\n    raise ValueError('only rank 1')"
     )
     assert "rank 1 (of 2) raised ValueError: only rank 1" in cell.error_text
-    assert "<rank cell" in cell.error_text and "raise ValueError('only rank 1')" in cell.error_text
+    # As a local error reads: the notebook's own cell and line, once, no magic plumbing.
+    n = cell.of_type("execute_input")[0]["content"]["execution_count"]
+    assert f"Cell In[{n}], line 3" in cell.error_text, cell.error_text
+    assert cell.error_text.count("raise ValueError('only rank 1')") == 1
+    assert "run_cell_magic" not in cell.error_text and "<rank cell" not in cell.error_text
+    assert "Traceback" not in cell.stdout + cell.stderr  # the error alone shows it
     assert "alive" in cell.error_text
     cell = ranks.execute("%%ranks\nkept")
     assert "[rank1] Out: 'still here'" in cell.stdout, cell.error_text
@@ -188,7 +193,10 @@ def test_half_done_collective_breaks_the_group_without_hanging(ranks):
     assert time.monotonic() - started < 30
     text = cell.error_text
     assert "ranks are broken" in text and "all_reduce" in text and "%ranks start" in text
-    assert "skip the sum" in text  # the cause: rank 0's traceback
+    assert "skip the sum" in text  # the cause: rank 0's traceback, as a local error's
+    n = cell.of_type("execute_input")[0]["content"]["execution_count"]
+    assert f"in rank 0:\nCell In[{n}], line 3" in text and "<rank cell" not in text, text
+    assert "Traceback (most recent call last):" not in text  # no raw Python traceback too
     assert _gone(pids)
     cell = ranks.execute("%%ranks\n1")
     assert "broken" in cell.error_text  # until started again
@@ -279,6 +287,16 @@ def test_names_on_the_ranks_complete_with_tab_and_status_lists_ranks(ranks):
         assert str(pid) in text
 
 
+def test_restart_says_at_once_what_it_is_doing(ranks):
+    sent = time.monotonic()
+    cell = ranks.execute("%ranks restart")
+    assert cell.error is None, cell.error_text
+    first = cell.of_type("stream")[0]
+    assert first["content"]["text"] == "nbaccel: restarting 2 ranks… "
+    assert first["received_at"] - sent < 1.0, "a blank cell while the ranks start"
+    assert cell.stdout == "nbaccel: restarting 2 ranks… ready\n"
+
+
 def test_stop_leaves_nothing_running(ranks):
     cell = ranks.execute(
         "%%ranks\nimport subprocess\nchild = subprocess.Popen(['sleep', '300'])\nchild.pid"
@@ -307,29 +325,45 @@ def test_ranks_die_with_the_kernel(how):
     assert _gone(pids)
 
 
-def test_dashboard_shows_each_ranks_row_for_a_ranks_cell():
+def test_a_ranks_cell_shows_like_a_local_cell_and_progress_in_the_dashboard():
     with KernelSession(env={"NBACCEL_VIEW": "widgets"}, startup="import nbaccel") as k:
         cell = k.execute("%ranks start -n 2")
         assert cell.error is None, cell.error_text
+        # A cell without progress: its lines and values, as a local cell's; no header, no table.
+        cell = k.execute("%%ranks\nprint('hi from', accelerator.process_index)\n7")
+        assert cell.error is None, cell.error_text
+        assert (
+            cell.stdout == "[rank0] hi from 0\n[rank1] hi from 1\n[rank0] Out: 7\n[rank1] Out: 7\n"
+        )
+        assert not cell.of_type("display_data", "update_display_data"), "a table or header"
+        assert "nbaccel" not in cell.stdout + cell.stderr
+        cell = k.execute("%%ranks --rank 1\nprint('only me')")
+        assert cell.stdout == "[rank1] only me\n" and not cell.of_type("display_data")
+        cell = k.execute("%ranks pull _")
+        assert cell.error is None and not cell.stdout and not cell.of_type("display_data")
+
+        # A cell that reports progress: the dashboard's table for the cell's ranks only.
         cell = k.execute(
-            "%%ranks\nfor i in nbaccel.progress(range(50), desc='steps'):\n    pass\n"
+            "%%ranks --rank 1\nfor i in nbaccel.progress(range(50), desc='steps'):\n    pass\n"
             "print('looped')\naccelerator.process_index"
         )
         assert cell.error is None, cell.error_text
-        assert "[rank0] Out: 0" in cell.stdout and "[rank1] Out: 1" in cell.stdout
+        assert cell.stdout == "[rank1] looped\n[rank1] Out: 1\n"
         live = [
             s["value"]
             for s in widget_states(cell).values()
             if "nbaccel-live" in str(s.get("value", ""))
         ]
-        rows = rank_rows(live[-1])
-        assert sorted(rows) == [0, 1]
-        assert all(
-            r["status"] == "finished" and r["n"] == r["total"] == "50" for r in rows.values()
+        assert (
+            live and "nbaccel-header" not in live[-1] and "nbaccel-pane" not in str(cell.messages)
         )
+        rows = rank_rows(live[-1])
+        assert sorted(rows) == [1], "rank 0 did not run this cell"
+        assert rows[1]["status"] == "finished" and rows[1]["n"] == rows[1]["total"] == "50"
         final = cell.of_type("update_display_data")[-1]["content"]["data"]
+        assert final["text/plain"].startswith("rank 1 finished in "), final["text/plain"]
         assert "50/50" in final["text/plain"]  # the static summary a saved notebook keeps
-        assert "looped" in str(cell.messages)  # in the ranks' output panes
+        assert sorted(rank_rows(final["text/html"])) == [1]
         pids = _pids(k)
         assert k.execute("%ranks stop").error is None
     assert _gone(pids)

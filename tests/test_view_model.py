@@ -135,7 +135,45 @@ def test_chart_legend_in_rank_order_and_readable_axis_labels():
     legend = re.findall(r"class='nbaccel-legend'>rank (\d)<", svg)
     xs = [float(x) for x in re.findall(r"x='([\d.]+)'[^>]*class='nbaccel-legend'", svg)]
     assert legend == ["0", "1"] and xs == sorted(xs)
-    assert ">1.84k<" in svg and ">531µ<" in svg and "e+03" not in svg
+    assert ">1.84k<" in svg and ">0.00053<" in svg and "e+03" not in svg
+    # Both ends of an axis in one style: an lr axis read "9m … 0.011".
+    lr = chart.line_chart("lr", {0: [(0, 0.011), (9, 0.009)]})
+    assert ">0.009<" in lr and ">0.011<" in lr and "m<" not in lr
+
+
+def test_memory_is_measured_at_once_and_a_zombie_does_not_read_as_0_mib():
+    import os
+
+    from nbaccel.ui.resources import MemorySampler
+
+    state = make_state(2)
+    sampler = MemorySampler()
+    sampler.sample(state)  # no pids yet: nothing to measure
+    child = os.fork()
+    if child == 0:
+        os._exit(0)  # a rank that has exited and is not reaped yet
+    try:
+        time.sleep(0.2)
+        state.ranks[0].pid, state.ranks[1].pid = os.getpid(), child
+        state.ranks[1].rss = 300 << 20  # its last real reading
+        sampler.sample(state)  # within INTERVAL of the last sample, yet rank 0 is new
+        assert state.ranks[0].rss and state.ranks[0].rss > 1 << 20
+        assert state.ranks[1].rss == 300 << 20, "a zombie's 0 bytes replaced the reading"
+    finally:
+        os.waitpid(child, 0)
+
+
+def test_metrics_status_and_rate_columns_wrap_the_others_do_not():
+    state = make_state(2)
+    for r in state.ranks.values():
+        r.metrics = {"loss": 2.37, "lr": 0.01, "grad_norm": 1.5, "tokens": 512.0}
+        r.ended_at = r.started_at + 42  # elapsed "42.0 s"
+    live, final = table.table_html(state), summary.summary_html(state)
+    for html in (live, final):
+        cells = re.findall(r"<td style='([^']*)'>[^<]*loss=", html)
+        assert cells and all("white-space:normal" in c for c in cells), html
+        elapsed = re.findall(r"<td style='([^']*)'>42.0 s</td>", html)
+        assert elapsed and all("white-space:nowrap" in c for c in elapsed), html
 
 
 def test_pane_keeps_the_last_lines_and_counts_dropped_ones():
@@ -253,3 +291,18 @@ def test_text_view_repeats_a_stall_notice_only_when_it_doubles_or_moves(capsys):
     state.ranks[0].started_at = now - 70  # the stall has more than doubled
     view.update()
     assert capsys.readouterr().out.count("nbaccel: stalled?") == 1
+
+
+def test_a_ranks_cell_ends_with_a_status_line_only_when_it_ran_long(capsys):
+    from nbaccel.ui.cell_view import CellView
+
+    for took, shown in ((0.5, False), (12.0, True)):
+        state = make_state(2)
+        state.ranks[0].status = RankStatus.FINISHED  # an earlier cell's rank: not this cell's
+        view = CellView()
+        view.start(state)
+        state.ranks[1].status, state.ranks[1].rss = RankStatus.FINISHED, 300 << 20
+        state.ended_at = state.started_at + took
+        view.finish()
+        out = capsys.readouterr().out
+        assert out == ("nbaccel: rank 1 finished in 12.0 s · RSS 300 MiB\n" if shown else ""), out

@@ -27,6 +27,10 @@ from types import TracebackType
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<name>.+))?$')
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTEXT = 2  # source lines shown before and after each frame's line
+_MAGIC_CALL = (
+    "get_ipython().run_cell_magic(",
+    "get_ipython().run_line_magic(",
+)  # what IPython runs
 
 # ANSI colours, close to IPython's "linux" theme; empty strings where colour is off.
 _COLOURS = {
@@ -130,6 +134,8 @@ class Renderer:
         for fs in traceback.extract_tb(tb):
             if is_nbaccel_file(fs.filename) or "/IPython/" in fs.filename:
                 continue
+            if (fs.line or "").startswith(_MAGIC_CALL):  # a %%ranks cell: its ranks' frames tell
+                continue
             out += self.frame(Frame(fs.filename, fs.lineno or 0, fs.name))
             out.append("")
         return out
@@ -140,6 +146,37 @@ class Renderer:
             f"{c['rule']}{'-' * 75}{c['reset']}",
             f"{c['ename']}{left}{c['reset']}{right:>{max(1, 75 - len(left))}}",
         ]
+
+
+def _cell_numbers() -> dict[str, int] | None:
+    """IPython's own record of which compiled file is which cell (``In[n]``), if any."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    names = getattr(getattr(get_ipython(), "compile", None), "_filename_map", None)
+    return names if isinstance(names, dict) else None
+
+
+def name_cell(filename: str, number: int) -> None:
+    """Have IPython call code compiled as ``filename`` ``Cell In[number]`` (a ``%%ranks``
+    cell's code runs on the ranks under a name of its own); nothing outside IPython."""
+    names = _cell_numbers()
+    if names is not None:
+        names[filename] = number
+
+
+def running_cell() -> int | None:
+    """The ``n`` of ``In[n]`` for the notebook cell whose code calls this (None outside one)."""
+    import sys
+
+    names = _cell_numbers() or {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename in names:
+            return names[frame.f_code.co_filename]
+        frame = frame.f_back
+    return None
 
 
 def cell_label(filename: str) -> str | None:

@@ -44,6 +44,10 @@ class Command:
     values: dict[str, bytes] | None = None  # "push": name -> cloudpickled value
     names: list[str] | None = None  # "pull": the names to send back
     want_value: bool = False  # "run": send the final expression's value back, pickled
+    # "run" from %%ranks, for the kernel's tracebacks: the notebook cell's n of In[n], and its
+    # text as the notebook shows it (with the %%ranks line: ``code`` has a blank line there)
+    kernel_cell: int | None = None
+    kernel_source: str | None = None
 
 
 @dataclasses.dataclass

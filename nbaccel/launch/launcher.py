@@ -8,15 +8,17 @@ the end, and rank 0's (or every rank's) return value is loaded in the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbaccel.core import shared_tensors
 from nbaccel.core.config import LaunchConfig
 from nbaccel.core.errors import RankFailedError
-from nbaccel.core.launch_state import LaunchState, RankState
+from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.launch import xla
 from nbaccel.launch.forkserver import ensure_server
 from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
@@ -176,14 +178,25 @@ def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[
     __tracebackhide__ = True
     state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
     group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
+    # The view first: the fork server may still be importing torch (the first launch after the
+    # import cell), and a cell must not stay blank meanwhile.
+    view.start(state)
     try:
         if plan.info.start_method == "forkserver":
             ensure_server(tuple(preload))
         group.start()  # stops what it started on any failure
-    except KeyboardInterrupt as exc:  # Stop while starting: its message says what was stopped
-        _raise_short(exc)
+    except BaseException as exc:
+        state.outcome = (
+            Outcome.INTERRUPTED if isinstance(exc, KeyboardInterrupt) else Outcome.FAILED
+        )
+        state.ended_at = time.monotonic()
+        with contextlib.suppress(Exception):
+            view.finish()
+        if isinstance(exc, KeyboardInterrupt):  # its message says what was stopped
+            _raise_short(exc)
+        raise
     try:
-        return Relay(group, state, view, plan.timeout).run()
+        return Relay(group, state, view, plan.timeout).run(view_started=True)
     except KeyboardInterrupt:
         # Every rank is stopped and reaped by now; the relay's frames would only be noise.
         n = len(plan.specs)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import ast
 import atexit
+import contextlib
 import shlex
+from collections.abc import Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -70,6 +72,8 @@ _START.add_argument("--gpus", type=_ints, default=None)
 _CELL = _Parser(prog="%%ranks", add_help=False)
 _CELL.add_argument("--rank", "--ranks", type=_ints, default=None)
 _CELL.add_argument("--timeout", type=_seconds, default=None)
+AUTO_FLAG = "--auto-mode"  # what auto mode's transformer adds: the cell has no %%ranks line
+_CELL.add_argument(AUTO_FLAG, action="store_true", help=argparse.SUPPRESS)
 
 
 @magics_class
@@ -128,21 +132,24 @@ class RanksMagics(Magics):
             timeout=a.timeout,
             gpus=a.gpus,
         )
-        try:
-            self.session = Ranks(**self._start_args)
-        except ValueError as exc:  # a ConfigError: a bad -n, --strategy, --mixed_precision, ...
-            raise UsageError(f"%ranks start: {exc}\n\n{USAGE.splitlines()[0]}") from None
-        print(
-            f"nbaccel: {self.session.world_size} ranks ready ({self.session._plan.info.describe()})"
-        )
+        how_many = f"{a.num_processes} ranks" if a.num_processes is not None else "the ranks"
+        with _starting(f"nbaccel: starting {how_many}… "):
+            try:
+                self.session = Ranks(**self._start_args)
+            except ValueError as exc:  # a ConfigError: a bad -n, --strategy, --mixed_precision
+                raise UsageError(f"%ranks start: {exc}\n\n{USAGE.splitlines()[0]}") from None
+        s = self.session
+        counted = "" if a.num_processes is not None else f"{s.world_size} ranks "
+        print(f"{counted}ready ({s._plan.info.describe()})")
 
     def _cmd_restart(self, words: list[str]) -> None:
         __tracebackhide__ = True
         if self.session is None:
             raise UsageError("no ranks to restart; run `%ranks start -n 2` first.")
-        self.session.stop()
-        self.session.start()
-        print(f"nbaccel: {self.session.world_size} ranks restarted")
+        with _starting(f"nbaccel: restarting {self.session.world_size} ranks… "):
+            self.session.stop()
+            self.session.start()
+        print("ready")
 
     def _cmd_stop(self, words: list[str]) -> None:
         if self.session is not None and self.session.started:
@@ -185,6 +192,7 @@ class RanksMagics(Magics):
 
     def _run_cell(self, line: str, cell: str) -> None:
         __tracebackhide__ = True
+        from nbaccel.core.local_traceback import running_cell
         from nbaccel.launch.plan import UNSET
 
         a = _CELL.parse_args(_words(line))
@@ -196,7 +204,17 @@ class RanksMagics(Magics):
                 session._select(a.rank)
             except ValueError as exc:
                 raise UsageError(f"%%ranks --rank: {exc}") from None
-        reprs = session.run(cell, ranks=a.rank, timeout=timeout, values=False)
+        # A blank first line stands for the %%ranks line: tracebacks then count lines as the
+        # notebook shows them, in the cell IPython names (Cell In[n]).
+        number = running_cell()
+        shown = cell if a.auto_mode else f"%%ranks {line}".rstrip() + "\n" + cell
+        reprs = session.run(
+            ("" if a.auto_mode else "\n") + cell,
+            ranks=a.rank,
+            timeout=timeout,
+            values=False,
+            kernel_cell=None if number is None else (number, shown),
+        )
         ranks = a.rank if a.rank is not None else range(len(reprs))
         for rank, text in zip(sorted(set(ranks)), reprs, strict=True):
             if text is not None:
@@ -226,7 +244,7 @@ class RanksMagics(Magics):
             return lines[:index] + lines[index + 1 :]
         if not self.auto or not first or first.startswith(("%ranks", "%%ranks")):
             return lines
-        return ["%%ranks\n", *lines]
+        return [f"%%ranks {AUTO_FLAG}\n", *lines]
 
     def complete(self, context: Any) -> dict[str, Any]:
         """Tab completion of the names defined on the ranks, with their types (IPython's
@@ -255,6 +273,18 @@ def register(shell: Any) -> RanksMagics:
     shell._nbaccel_ranks_magics = magics
     atexit.register(magics._stop_at_exit)
     return magics
+
+
+@contextlib.contextmanager
+def _starting(text: str) -> Iterator[None]:
+    """Say at once what takes seconds (the cell is not blank meanwhile); the caller ends the
+    line when it is done, and an error starts on a line of its own."""
+    print(text, end="", flush=True)
+    try:
+        yield
+    except BaseException:
+        print(flush=True)
+        raise
 
 
 def _refuse_kernel_syntax(cell: str) -> None:

@@ -55,8 +55,10 @@ class Relay:
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def run(self) -> dict[int, bytes | None]:
-        self.view.start(self.state)
+    def run(self, view_started: bool = False) -> dict[int, bytes | None]:
+        """``view_started``: the caller showed the view already (before the ranks started)."""
+        if not view_started:
+            self.view.start(self.state)
         try:
             self.register()
             self._loop()

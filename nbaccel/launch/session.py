@@ -48,8 +48,8 @@ from nbaccel.launch.session_cell import (
 )
 from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.launch.session_status import StatusTable, rank_rows
-from nbaccel.ui import View, choose_view
-from nbaccel.ui.text import TextView
+from nbaccel.ui import View, widget_frontend
+from nbaccel.ui.cell_view import CellView
 
 
 class Ranks:
@@ -244,12 +244,15 @@ class Ranks:
         *,
         values: bool = True,
         on_reply: Callable[[Done], None] | None = None,
+        kernel_cell: tuple[int, str] | None = None,
     ) -> list[Any]:
         """Run ``code`` on every (or the listed) rank; return each rank's final-expression value.
 
         Values come back on the CPU (models as copies); one that cannot be pickled comes back
         as its ``repr``. With ``values=False`` the values stay on the ranks and their ``repr``
         strings are returned instead (what ``%%ranks`` shows as ``[rankN] Out:``).
+        ``kernel_cell``: the notebook cell the code is from, as ``(n of In[n], its text)``, so
+        tracebacks name it and show its lines.
 
         Example::
 
@@ -257,7 +260,17 @@ class Ranks:
         """
         __tracebackhide__ = True
         done = self._run(
-            Command(cell=0, kind="run", code=code, want_value=values), ranks, timeout, on_reply
+            Command(
+                cell=0,
+                kind="run",
+                code=code,
+                want_value=values,
+                kernel_cell=kernel_cell[0] if kernel_cell else None,
+                kernel_source=kernel_cell[1] if kernel_cell else None,
+            ),
+            ranks,
+            timeout,
+            on_reply,
         )
         if not values:
             return [d.value_repr for d in done]
@@ -320,7 +333,7 @@ class Ranks:
                 on_reply(done)
 
         reset_state(relay.state, selected)
-        relay.view = CellTextView() if command.cell == 1 else self._view()
+        relay.view = CellTextView() if command.cell == 1 else self._view(selected)
         self.running = (_first_line(command), time.monotonic())
         relay.view.start(relay.state)
         outcome = Outcome.FAILED
@@ -358,13 +371,11 @@ class Ranks:
             raise ValueError(f"no rank {bad or chosen}: the ranks are {everyone}.")
         return chosen
 
-    def _view(self) -> View:
-        view = choose_view(self.progress)
-        return (
-            CellTextView(show_progress=self.progress is not False)
-            if isinstance(view, TextView)
-            else view
-        )
+    def _view(self, ranks: list[int]) -> View:
+        """A cell's view: the cell's output like a local cell's (``ui.cell_view``)."""
+        progress = self.progress
+        widgets = progress == "widgets" or (progress is True and widget_frontend())
+        return CellView(ranks, widgets=widgets, show_progress=progress is not False)
 
     def __repr__(self) -> str:
         if not self.started:

@@ -27,6 +27,7 @@ from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
+from nbaccel.core.local_traceback import name_cell
 from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
 from nbaccel.launch import root_cause
 from nbaccel.launch.containment import sigint_deferred
@@ -46,13 +47,33 @@ START_AGAIN = (
 class RanksBrokenError(LaunchError):
     """The ranks cannot go on (a rank died, a collective was left half-done); they were stopped."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(
+        self, reason: str, detail: str = "", failures: dict[int, str] | None = None
+    ) -> None:
+        """``failures``: rank -> the traceback of the cell that raised there (shown as a local
+        error's frames in IPython, as text in the message elsewhere)."""
         self.reason = reason
+        self.failures = dict(sorted((failures or {}).items()))
         text = (
             f"the ranks are broken: {reason}. The other ranks were stopped and every rank's "
             f"state is lost. {START_AGAIN}"
         )
-        super().__init__(text + (f"\n\n{detail.rstrip()}" if detail.strip() else ""))
+        self._short = text + (f"\n\n{detail.rstrip()}" if detail.strip() else "")
+        raw = "\n".join(
+            f"--- rank {rank} traceback ---\n{tb.rstrip()}\n" for rank, tb in self.failures.items()
+        )
+        super().__init__(self._short + (f"\n\n{raw.rstrip()}" if raw else ""))
+
+    def _render_traceback_(self) -> list[str]:
+        """The first failing rank's frames as a local error's; the other ranks' errors after."""
+        from nbaccel.core.local_traceback import render
+
+        if not self.failures:
+            return super()._render_traceback_()
+        (rank, tb), *others = self.failures.items()
+        kind = type(self).__name__
+        footer = [f"rank {r} also raised: {t.strip().splitlines()[-1]}" for r, t in others]
+        return render(f"{kind}: {self._short}", kind, tb, footer, None, heading=f"in rank {rank}:")
 
 
 class CellError(RankFailedError):
@@ -105,8 +126,11 @@ class _Follow:
 
     def run(self) -> dict[int, Done]:
         if self.command.code is not None:  # the rank's traceback then shows the cell's lines
-            name, code = cell_filename(self.command.cell), self.command.code
+            name = cell_filename(self.command.cell)
+            code = self.command.kernel_source or self.command.code
             linecache.cache[name] = (len(code), None, code.splitlines(keepends=True), name)
+            if self.command.kernel_cell is not None:  # and names it as IPython does: In[n]
+                name_cell(name, self.command.kernel_cell)
         data = pickle.dumps(self.command, protocol=pickle.HIGHEST_PROTOCOL)
         # Every rank gets the command or none does: a Ctrl-C between two sends would leave
         # one rank running a cell the kernel no longer follows.
@@ -197,7 +221,9 @@ class _Follow:
             self.relay.drain(r)
         code = self.relay.group.collect_exit(r)
         crash = crash_stack(self.relay.state.ranks[rank].diag)
-        raise RanksBrokenError(f"rank {rank} {describe_exit(code)}", self._failures_text() + crash)
+        raise RanksBrokenError(
+            f"rank {rank} {describe_exit(code)}", self._stack_text() + crash, self._failures()
+        )
 
     def _check_collectives(self) -> None:
         now = time.monotonic()
@@ -206,7 +232,9 @@ class _Follow:
             return
         for rank, (message, since) in self.blocked.items():
             if now - since > COLLECTIVE_GRACE:
-                raise RanksBrokenError(self._half_done(rank, message, idle), self._failures_text())
+                raise RanksBrokenError(
+                    self._half_done(rank, message, idle), self._stack_text(), self._failures()
+                )
 
     def _half_done(self, rank: int, message: Blocked, idle: list[int]) -> str:
         """Why ``rank``'s collective can never complete: who left it, and how."""
@@ -255,13 +283,9 @@ class _Follow:
             for rank, stack in sorted(self.stacks.items())
         )
 
-    def _failures_text(self) -> str:
-        parts = [
-            f"--- rank {d.rank} traceback ---\n{d.failure.traceback.rstrip()}\n"
-            for d in self.done.values()
-            if d.failure is not None
-        ]
-        return "\n".join(parts) + ("\n" + self._stack_text() if self.stacks else "")
+    def _failures(self) -> dict[int, str]:
+        """Rank -> the traceback of this cell where it raised."""
+        return {d.rank: d.failure.traceback for d in self.done.values() if d.failure is not None}
 
     def _verdict(self) -> dict[int, Done]:
         if self.stacks is not None:
@@ -298,6 +322,7 @@ def reset_state(state: LaunchState, ranks: list[int]) -> None:
     """Mark ``ranks`` as running a new cell (the others keep their last status)."""
     now = time.monotonic()
     state.started_at, state.ended_at, state.outcome = now, None, None
+    state.longest_stall, state.stacks_requested_at = 0.0, None  # this cell's stalls only
     for rank in ranks:
         s = state.ranks[rank]
         s.status, s.started_at, s.ended_at, s.error_line = RUNNING, now, None, None

@@ -38,9 +38,34 @@ def _thin(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tu
     return [*kept, points[-1]]
 
 
-def _fmt(value: float) -> str:
-    """Axis labels: integers as integers, SI suffixes (``1.84k``, ``531µ``)."""
-    return format_si(value)
+def axis_labels(lo: float, hi: float) -> tuple[str, str]:
+    """An axis's two end labels in one style, so they read as one scale: plain decimals with
+    the digits that tell them apart, SI suffixes from 1000 up, exponents for tiny scales.
+
+    >>> axis_labels(0.009, 0.011), axis_labels(0, 1840), axis_labels(0.000531, 0.5)
+    (('0.009', '0.011'), ('0', '1.84k'), ('0.00053', '0.5'))
+    >>> axis_labels(2e-05, 3.5e-05), axis_labels(2.0, 3.0)
+    (('2e-5', '3.5e-5'), ('2', '3'))
+    """
+    big = max(abs(lo), abs(hi))
+    if big >= 1000 or (float(lo).is_integer() and float(hi).is_integer()):
+        return format_si(lo), format_si(hi)
+    if big < 1e-3:
+        return _exponent(lo), _exponent(hi)
+    digits = 2 - math.floor(math.log10(big))  # three significant digits of the larger end
+    small = min(abs(lo), abs(hi))
+    if small:
+        digits = max(digits, min(6, 1 - math.floor(math.log10(small))))
+    return _decimal(lo, digits), _decimal(hi, digits)
+
+
+def _decimal(value: float, digits: int) -> str:
+    text = f"{value:.{max(digits, 0)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _exponent(value: float) -> str:
+    return f"{value:.2g}".replace("e-0", "e-").replace("e+0", "e")
 
 
 def line_chart(
@@ -86,16 +111,17 @@ def line_chart(
         return top + (1 - (y - y0) / (y1 - y0)) * plot_h
 
     axis = "stroke='#8c959f' stroke-width='1'"
+    (x_lo, x_hi), (y_lo, y_hi) = axis_labels(x0, x1), axis_labels(y0, y1)
     parts += [
         f"<line x1='{left}' y1='{top + plot_h}' x2='{left + plot_w}' y2='{top + plot_h}' {axis}/>",
         f"<line x1='{left}' y1='{top}' x2='{left}' y2='{top + plot_h}' {axis}/>",
-        f"<text x='{left - 4}' y='{top + 4}' text-anchor='end' fill='currentColor'>{_fmt(y1)}</text>",
-        f"<text x='{left - 4}' y='{top + plot_h}' text-anchor='end' fill='currentColor'>{_fmt(y0)}</text>",
-        f"<text x='{left}' y='{height - 6}' fill='currentColor'>{_fmt(x0)}</text>",
+        f"<text x='{left - 4}' y='{top + 4}' text-anchor='end' fill='currentColor'>{y_hi}</text>",
+        f"<text x='{left - 4}' y='{top + plot_h}' text-anchor='end' fill='currentColor'>{y_lo}</text>",
+        f"<text x='{left}' y='{height - 6}' fill='currentColor'>{x_lo}</text>",
         f"<text x='{left + plot_w / 2:.0f}' y='{height - 6}' text-anchor='middle' "
         "fill='#57606a'>step</text>",
         f"<text x='{left + plot_w}' y='{height - 6}' text-anchor='end' fill='currentColor'>"
-        f"{_fmt(x1)}</text>",
+        f"{x_hi}</text>",
     ]
     legend_x = left + plot_w - 46 * (len(clean) - 1)  # left to right in rank order
     for i, (rank, pts) in enumerate(sorted(clean.items())):

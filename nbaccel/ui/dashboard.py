@@ -19,6 +19,7 @@ Works with ipywidgets 8 and 7.7 (Colab's): the show/hide switch of the panes nee
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nbaccel.core.launch_state import FAILED, LaunchState
@@ -42,7 +43,13 @@ class Dashboard:
         nbaccel.notebook_launcher(train, num_processes=2, view=Dashboard())
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, panes: bool = True, title: Callable[[LaunchState], str] | None = None
+    ) -> None:
+        """``panes=False``: no output panes (the caller prints the ranks' lines); ``title``:
+        the summary's first line (of the state) instead of the launch's headline, and then
+        no launch header either."""
+        self._with_panes, self._title = panes, title
         self._state: LaunchState | None = None
         self._outputs: dict[int, panes.PaneBuffer] = {}
         self._dirty_panes: list[int] = []
@@ -67,7 +74,7 @@ class Dashboard:
         from IPython.display import display
 
         self._state = state
-        ranks = sorted(state.ranks)
+        ranks = sorted(state.ranks) if self._with_panes else []
         self._outputs = {r: panes.PaneBuffer() for r in ranks}
         self._table = self._make(w.HTML, value=self._table_html(time.monotonic()))
         self._panes: dict[int, panes.PaneView] = {}
@@ -78,7 +85,8 @@ class Dashboard:
                 setattr(widget, name, value)  # before it is displayed
             boxes.append(self._pane_box(w, r, pane.widget))
         pane_grid = self._make(w.HBox, children=boxes, layout={"flex_flow": "row wrap"})
-        self._root = self._make(w.VBox, children=[self._table, pane_grid], layout={"width": "100%"})
+        children = [self._table, pane_grid] if boxes else [self._table]
+        self._root = self._make(w.VBox, children=children, layout={"width": "100%"})
         self._root.add_class("nbaccel-dashboard")
         self._handle = display(self._root, display_id=True)
         now = time.monotonic()
@@ -97,10 +105,11 @@ class Dashboard:
 
     def update(self) -> None:
         now = time.monotonic()
-        if self._state is None or now - self._last_push < MIN_INTERVAL:
+        if self._state is None:
             return
-        self._memory.sample(self._state)
-        self._push(now, final=False)
+        self._memory.sample(self._state)  # between pushes too: a short rank's only chance
+        if now - self._last_push >= MIN_INTERVAL:
+            self._push(now, final=False)
 
     def finish(self) -> None:
         if self._state is None:
@@ -111,9 +120,10 @@ class Dashboard:
             r: ([f"[{buf.dropped:,} earlier lines not kept]"] if buf.dropped else []) + buf.lines()
             for r, buf in self._outputs.items()
         }
+        title = self._title(self._state) if self._title is not None else None
         bundle = {
-            "text/plain": summary_text(self._state, outputs),
-            "text/html": summary_html(self._state, outputs, charts=True),
+            "text/plain": summary_text(self._state, outputs, title),
+            "text/html": summary_html(self._state, outputs, charts=True, title=title),
         }
         if self._handle is not None:
             self._handle.update(bundle, raw=True)
@@ -192,7 +202,7 @@ class Dashboard:
             self._chart_key, self._last_chart = key, now
             self._chart_svg = metrics_charts({r.rank: r.history for r in state.ranks.values()})
             self._chart_metrics = {r.rank: dict(r.metrics) for r in state.ranks.values()}
-        return table_html(state, self._chart_svg, self._chart_metrics)
+        return table_html(state, self._chart_svg, self._chart_metrics, self._title is None)
 
 
 def close_widgets(widgets: list[Any]) -> None:

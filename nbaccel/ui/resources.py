@@ -28,8 +28,13 @@ class MemorySampler:
         self._gpu_at = 0.0
 
     def sample(self, state: LaunchState, force: bool = False) -> None:
+        """Every ``INTERVAL`` seconds (or ``force``); a rank not measured yet at once, so a
+        short launch's summary shows its memory too."""
         now = time.monotonic()
-        if not force and now - self._at < INTERVAL:
+        unmeasured = any(
+            r.rss is None and r.pid is not None and not r.done for r in state.ranks.values()
+        )
+        if not force and not unmeasured and now - self._at < INTERVAL:
             return
         self._at = now
         import psutil
@@ -38,9 +43,13 @@ class MemorySampler:
             if rank.pid is None or rank.done:
                 continue
             try:
-                rank.rss = psutil.Process(rank.pid).memory_info().rss
+                rss = psutil.Process(rank.pid).memory_info().rss
             except (psutil.Error, OSError):
-                pass
+                continue
+            # A rank that exited but is not reaped yet is a zombie: it reads as 0 bytes
+            # (a summary once said "RSS 0 MiB"); keep the last real reading.
+            if rss:
+                rank.rss = rss
         if state.info.device == "cuda" and (force or now - self._gpu_at >= GPU_INTERVAL):
             self._gpu_at = now
             used = gpu_memory_by_pid()

@@ -14,6 +14,7 @@ from nbaccel.core.launch_state import LaunchState, RankState
 from nbaccel.ui.formats import format_bytes, format_seconds, format_si
 
 TEXT_TAIL = 20  # output lines per rank in the plain-text summary
+SHOWN_LINES = 10  # a rank's last output lines shown in the HTML summary; earlier ones fold
 STRAGGLER_MARK = "straggler"
 
 STATUS_COLOURS = {
@@ -249,42 +250,90 @@ def headline(state: LaunchState) -> str:
     return f"nbaccel: {describe(state)} — {outcome}; launch took {took} (start to last exit)"
 
 
-def summary_text(state: LaunchState, outputs: dict[int, list[str]] | None = None) -> str:
-    """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too."""
+def summary_text(
+    state: LaunchState, outputs: dict[int, list[str]] | None = None, title: str | None = None
+) -> str:
+    """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too.
+    ``title`` replaces the launch's headline."""
     header, body = _rows(state)
     rows = [header, *body]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [headline(state)]
+    lines = [headline(state) if title is None else title]
     if any(r.bars for r in state.ranks.values()):
         lines.append("  " + run_line(state))
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if state.longest_stall:
         lines.append(f"  {stall_summary(state)}")
-    if logs_line(state):
+    if logs_line(state) and title is None:  # a cell's lines are in the cell
         lines.append(f"  {logs_line(state)}")
     for rank, tail in sorted((outputs or {}).items()):
         if tail:
-            lines.append(f"-- rank {rank} output (last {min(len(tail), TEXT_TAIL)} lines) --")
+            if len(tail) > TEXT_TAIL:
+                lines.append(
+                    f"-- rank {rank}: the last {TEXT_TAIL} of {plural(len(tail), 'line')} --"
+                )
             lines += [f"{state.info.label(rank)}{line}" for line in tail[-TEXT_TAIL:]]
     return "\n".join(lines)
 
 
 CELL = "padding:2px 10px;text-align:left;white-space:nowrap;vertical-align:top"
+# Columns that wrap between their words (a status and its straggler mark, a step rate and its
+# sample rate, one metric per line) so the table fits a narrow window instead of being cut off.
+WRAP_CELL = CELL.replace("white-space:nowrap", "white-space:normal")
+WRAPPING = ("status", "rate", "metrics")
+
+
+def plural(n: int, word: str) -> str:
+    """``1 line``, ``2 lines``, ``1,000 lines``.
+
+    >>> plural(1, "line"), plural(1000, "line")
+    ('1 line', '1,000 lines')
+    """
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+PRE = "margin:0;padding:0 4px;white-space:pre-wrap;overflow-wrap:anywhere"
+
+
+def output_html(rank: int, lines: list[str], label: str) -> str:
+    """A finished rank's output as the cell keeps it: its last ``SHOWN_LINES`` lines in view,
+    labelled as the text view labels them (``[rank0] …``), the earlier ones folded above them
+    (a ``<details>`` that opens in place, so a saved notebook keeps every line)."""
+    labelled = [html.escape(f"{label}{line}") for line in lines]
+    earlier, shown = labelled[:-SHOWN_LINES], labelled[-SHOWN_LINES:]
+    fold = ""
+    if earlier:
+        fold = (
+            f"<details><summary style='cursor:pointer;color:#57606a'>rank {rank}: show the "
+            f"{plural(len(earlier), 'earlier line')}</summary>"
+            f"<pre style='{PRE};max-height:30em;overflow:auto'>{chr(10).join(earlier)}</pre>"
+            "</details>"
+        )
+    return (
+        f"<div class='nbaccel-output' data-rank='{rank}' data-lines='{len(lines)}'>{fold}"
+        f"<pre style='{PRE}'>{chr(10).join(shown)}</pre></div>"
+    )
 
 
 def summary_html(
-    state: LaunchState, outputs: dict[int, list[str]] | None = None, charts: bool = False
+    state: LaunchState,
+    outputs: dict[int, list[str]] | None = None,
+    charts: bool = False,
+    title: str | None = None,
 ) -> str:
-    """The table as static HTML; optionally the metric charts (SVG) and each rank's output in a
-    collapsed ``<details>``, so a saved notebook keeps what the live dashboard showed."""
+    """The table as static HTML; optionally the metric charts (SVG) and each rank's output
+    (:func:`output_html`), so a saved notebook keeps what the live dashboard showed.
+    ``title`` replaces the launch's headline (a ``%%ranks`` cell's status), and then the log
+    folder goes unsaid: the cell shows its lines itself."""
     header, rows = _rows(state)
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in header)
     body = []
     for cells, rank in zip(rows, sorted(state.ranks.values(), key=lambda r: r.rank)):
         colour = STATUS_COLOURS.get(rank.status, "inherit")
         tds = "".join(
-            f"<td style='{CELL};{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
-            for i, c in enumerate(cells)
+            f"<td style='{WRAP_CELL if h in WRAPPING else CELL};"
+            f"{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
+            for i, (h, c) in enumerate(zip(header, cells))
         )
         body.append(
             f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}'>{tds}</tr>"
@@ -294,7 +343,7 @@ def summary_html(
         extra = f"<div class='nbaccel-run'>{html.escape(run_line(state))}</div>"
     if state.longest_stall:
         extra += f"<div class='nbaccel-stall'>{html.escape(stall_summary(state))}</div>"
-    if logs_line(state):
+    if logs_line(state) and title is None:
         extra += f"<div class='nbaccel-logs'><code>{html.escape(logs_line(state))}</code></div>"
     table = (
         "<table style='border-collapse:collapse;font-family:monospace;margin:0'>"
@@ -305,14 +354,12 @@ def summary_html(
         from nbaccel.ui.chart import metrics_charts
 
         after += metrics_charts({r.rank: r.history for r in state.ranks.values()})
-    for rank, tail in sorted((outputs or {}).items()):
-        if tail:
-            after += (
-                f"<details class='nbaccel-output' data-rank='{rank}'><summary>rank {rank} output "
-                f"({len(tail)} lines)</summary><pre style='max-height:20em;overflow:auto'>"
-                f"{html.escape(chr(10).join(tail))}</pre></details>"
-            )
+    after += "".join(
+        output_html(rank, tail, state.info.label(rank))
+        for rank, tail in sorted((outputs or {}).items())
+        if tail
+    )
     return (
         f"<div class='nbaccel-summary'><div style='font-weight:600'>"
-        f"{html.escape(headline(state))}</div>{extra}{table}{after}</div>"
+        f"{html.escape(headline(state) if title is None else title)}</div>{extra}{table}{after}</div>"
     )

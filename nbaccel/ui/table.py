@@ -14,6 +14,8 @@ from nbaccel.ui.summary import (
     CELL,
     STATUS_COLOURS,
     STRAGGLER_MARK,
+    WRAP_CELL,
+    WRAPPING,
     describe,
     format_count,
     format_memory,
@@ -77,7 +79,7 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
     )
     mark = (
         f" <span class='nbaccel-straggler' title='step rate 20% or more below the median' "
-        f"style='color:#9a6700;font-weight:600'>▼ {STRAGGLER_MARK}</span>"
+        f"style='color:#9a6700;font-weight:600'>▼&nbsp;{STRAGGLER_MARK}</span>"
         if straggler
         else ""
     )
@@ -92,7 +94,10 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
         format_seconds(rank.elapsed),
         html.escape(format_metrics(rank.metrics if metrics is None else metrics) or "-"),
     ]
-    tds = "".join(f"<td style='{CELL}'>{c}</td>" for c in cells)
+    tds = "".join(
+        f"<td style='{WRAP_CELL if name in WRAPPING else CELL}'>{c}</td>"
+        for name, c in zip(COLUMNS, cells)
+    )
     failed = rank.status == FAILED
     style = "background:rgba(207,34,46,0.12)" if failed else ""
     row = (
@@ -111,10 +116,14 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
 
 
 def table_html(
-    state: LaunchState, charts: str = "", metrics: dict[int, dict[str, float]] | None = None
+    state: LaunchState,
+    charts: str = "",
+    metrics: dict[int, dict[str, float]] | None = None,
+    header: bool = True,
 ) -> str:
     """The live HTML; with ``charts``, pass the ``metrics`` they were drawn from (rank ->
-    values), so the table and the charts show the same sample."""
+    values), so the table and the charts show the same sample. ``header=False`` leaves out
+    what the launch runs (a ``%%ranks`` cell's progress needs no launch header)."""
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in COLUMNS)
     slow = state.stragglers()
     ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
@@ -129,7 +138,7 @@ def table_html(
             f"margin:2px 0;padding:2px 4px'>{html.escape(stall)}</pre>"
         )
     return (
-        f"<div class='nbaccel-live'>{header_html(state)}{run}{stall}"
+        f"<div class='nbaccel-live'>{header_html(state) if header else ''}{run}{stall}"
         "<table style='border-collapse:collapse;font-family:monospace;font-size:12px;margin:0'>"
         f"<tr>{head}</tr>{rows}</table>{charts}</div>"
     )

@@ -114,11 +114,11 @@ class TextView:
             self._last_flush = now
         if not self.show_progress or self._state is None:
             return
+        self._memory.sample(self._state)  # also between progress lines: the summary shows it
         if now - self._last_progress < self.progress_interval:
             return
         self._last_progress = now
         state = self._state
-        self._memory.sample(state)
         if any(r.bars for r in state.ranks.values()):
             print(f"nbaccel {run_line(state)}", file=sys.stdout)
         slow = state.stragglers()
