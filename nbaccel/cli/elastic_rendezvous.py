@@ -15,9 +15,12 @@ known to torch elastic's registry as :data:`BACKEND`.
 
 from __future__ import annotations
 
+import datetime
+import os
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -32,6 +35,12 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 from nbaccel.core import rendezvous
 
 BACKEND = "nbaccel-static"
+ENV_RESTART_TIMEOUT = "NBACCEL_RESTART_TIMEOUT"
+
+
+def restart_timeout() -> float:
+    """Seconds machine 0 waits for every machine to rejoin on a restart (default 120)."""
+    return float(os.environ.get(ENV_RESTART_TIMEOUT, "120"))
 
 
 class FreshStoreRendezvous(RendezvousHandler):
@@ -60,6 +69,8 @@ class FreshStoreRendezvous(RendezvousHandler):
                 self._listen, static.master_port, timeout=static.timeout
             )
         info = static.next_rendezvous()
+        if self._round:
+            self._wait_for_machines(info.store)
         key = f"nbaccel/worker_store/{self._round}"
         self._round += 1
         if static.rank == 0:
@@ -71,6 +82,29 @@ class FreshStoreRendezvous(RendezvousHandler):
             port = int(info.store.get(key))
         store_info = RendezvousStoreInfo(static.master_addr, port)
         return RendezvousInfo(info.store, info.rank, info.world_size, store_info)
+
+    def _wait_for_machines(self, store: Any) -> None:
+        """On a restart, every machine's agent checks in; machine 0 waits for all of them
+        :func:`restart_timeout` seconds at most. Static membership is fixed: a machine that
+        does not come back (lost, its agent killed) can never be replaced, so the launch fails
+        saying so instead of waiting out the first meeting's long timeout (600 s)."""
+        static = self._static
+        prefix = f"nbaccel/restart/{self._round}/machine/"
+        store.set(f"{prefix}{static.rank}", "1")
+        if static.rank != 0:
+            return
+        keys = [f"{prefix}{r}" for r in range(static.world_size)]
+        timeout = restart_timeout()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception:  # torch's DistStoreError (a timeout) or a closed connection
+            missing = [str(r) for r, k in enumerate(keys) if not store.check([k])]
+            raise RendezvousError(
+                f"machine {', '.join(missing)} of {static.world_size} did not rejoin for "
+                f"restart {self._round} within {timeout:g} s: a static rendezvous needs all "
+                "its machines, so the launch stops (was a machine lost or its nbaccel launch "
+                f"killed?). {ENV_RESTART_TIMEOUT}=SECONDS waits longer."
+            ) from None
 
     def is_closed(self) -> bool:
         return self._static.is_closed()

@@ -97,7 +97,24 @@ def torchrun_arguments(
     ]
     if static:  # c10d numbers the machines itself; machine_rank is not needed.
         argv.append(f"--rdzv-conf=rank={cfg.machine_rank}")
+    else:
+        # torch finds both by the machine's name, which may resolve to an address the others
+        # cannot reach (Debian's 127.0.1.1) or not to the one --main_process_ip names: then
+        # no machine serves the store, or the workers are told to meet where none can.
+        if hosts_c10d_store(cfg):
+            argv.append("--rdzv-conf=is_host=1")
+        local = rendezvous.route_address(cfg.main_process_ip)
+        if local:
+            argv.append(f"--local-addr={local}")
     return [*argv, "--module", ENTRY_MODULE, *target]
+
+
+def hosts_c10d_store(cfg: LaunchConfig) -> bool:
+    """Whether this machine serves c10d's rendezvous store: --main_process_ip is one of its
+    own addresses (machine 0 behind NAT knows none: torch's own guess decides there)."""
+    return not uses_static_rendezvous(cfg) and bool(
+        rendezvous.listen_address(cfg.main_process_ip, one_machine=False)
+    )
 
 
 def _resolve_port(cfg: LaunchConfig) -> int:
@@ -118,7 +135,7 @@ def _resolve_port(cfg: LaunchConfig) -> int:
 
 def _meeting_point(cfg: LaunchConfig, port: int) -> str:
     """Where the ranks meet, as the banner says it: machine 0 listens there, only there."""
-    if cfg.machine_rank == 0 and uses_static_rendezvous(cfg):
+    if (cfg.machine_rank == 0 and uses_static_rendezvous(cfg)) or hosts_c10d_store(cfg):
         listen = rendezvous.listen_address(cfg.main_process_ip, cfg.num_machines == 1)
         return f"rendezvous on {rendezvous.describe_listening(listen, port)}"
     return f"rendezvous at {cfg.main_process_ip}:{port}"
@@ -212,6 +229,7 @@ def launch(args: argparse.Namespace) -> int:
     import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from nbaccel.cli import elastic_rendezvous
 
@@ -225,6 +243,9 @@ def launch(args: argparse.Namespace) -> int:
     # process with no children yet (the `nbaccel` command), so nothing else of ours is stopped.
     subreaper = not containment.descendants() and containment.set_subreaper()
     argv = torchrun_arguments(cfg, nprocs, port, log_dir, target)
+    # c10d's store (multi-tenant) shares this server on the port: it listens there only.
+    listen = rendezvous.listen_address(cfg.main_process_ip, one_machine=False)
+    c10d_server = rendezvous.serve_store(listen, port) if hosts_c10d_store(cfg) else None
     try:
         torch_args = torch_run.parse_args(argv)
         print(
@@ -240,6 +261,10 @@ def launch(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(f"nbaccel launch: {error}", file=sys.stderr, flush=True)
         return 1
+    except RendezvousError as exc:  # e.g. a machine that did not rejoin for a restart
+        sys.stdout.flush()
+        print(f"nbaccel launch: {exc}", file=sys.stderr, flush=True)
+        return 1
     except SignalException as exc:
         # The agent has already stopped the ranks; report how we were stopped.
         name = signal.Signals(exc.sigval).name
@@ -249,4 +274,5 @@ def launch(args: argparse.Namespace) -> int:
         if subreaper:
             containment.stop_descendants()
         shutil.rmtree(log_dir, ignore_errors=True)
+        del c10d_server
     return 0
