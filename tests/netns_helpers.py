@@ -112,6 +112,12 @@ class Network:
             found += [int(p) for p in out.stdout.split()]
         return found
 
+    def listening(self, host: int) -> list[str]:
+        """The addresses TCP sockets listen on in ``host`` (``*`` for every interface).
+        psutil cannot tell: it reads this namespace's socket table, so ask ``ss`` there."""
+        out = self.run(host, ["ss", "-ltnH"]).stdout
+        return [line.split()[3].rsplit(":", 1)[0].strip("[]") for line in out.splitlines()]
+
     def close(self) -> None:
         """Kill what still runs in the namespaces, then remove links and namespaces."""
         deadline = time.monotonic() + 10

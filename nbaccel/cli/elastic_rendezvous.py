@@ -9,8 +9,11 @@ publishes the port in the agent's store under the round's number, where the othe
 agents read it. The agent's store and the workers' stores listen only on
 :func:`~nbaccel.core.rendezvous.listen_address` (loopback on one machine).
 
-Imported by ``nbaccel launch`` only (it imports torch); :func:`register` makes the backend
-known to torch elastic's registry as :data:`BACKEND`.
+Across machines, ``--rdzv_backend c10d`` is torch's c10d rendezvous (:data:`C10D_BACKEND`)
+with its workers' store on this machine's address only.
+
+Imported by ``nbaccel launch`` only (it imports torch); :func:`register` makes the backends
+known to torch elastic's registry as :data:`BACKEND` and :data:`C10D_BACKEND`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.registry import _create_c10d_handler
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
     StaticTCPRendezvous,
     create_rdzv_handler,
@@ -35,6 +39,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 from nbaccel.core import rendezvous
 
 BACKEND = "nbaccel-static"
+C10D_BACKEND = "nbaccel-c10d"
 ENV_RESTART_TIMEOUT = "NBACCEL_RESTART_TIMEOUT"
 
 
@@ -127,6 +132,23 @@ def _create(params: RendezvousParameters) -> FreshStoreRendezvous:
     return FreshStoreRendezvous(create_rdzv_handler(params))
 
 
+def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's c10d rendezvous, whose workers' store (on the agent that becomes rank 0, at
+    the address given as ``--local-addr``) listens on that address only: torch's own server
+    would listen on every interface."""
+    params.backend = "c10d"  # torch's handler checks that its backend is the one asked for
+    handler = _create_c10d_handler(params)
+
+    def serve(addr: str, port: int) -> Any:
+        return rendezvous.serve_store(rendezvous.listen_address(addr, one_machine=False), port)
+
+    # (torch 2.13's one hook for this server: DynamicRendezvousHandler's own method)
+    handler._create_tcp_store_server = serve  # type: ignore[attr-defined]
+    return handler
+
+
 def register() -> None:
-    """Make ``--rdzv-backend nbaccel-static`` known to torch elastic (idempotent)."""
+    """Make ``--rdzv-backend nbaccel-static`` and ``nbaccel-c10d`` known to torch elastic
+    (idempotent)."""
     rendezvous_handler_registry.register(BACKEND, _create)
+    rendezvous_handler_registry.register(C10D_BACKEND, _create_c10d)

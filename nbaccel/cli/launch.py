@@ -79,14 +79,15 @@ def torchrun_arguments(
     cfg: LaunchConfig, nprocs: int, port: int, log_dir: str, target: list[str]
 ) -> list[str]:
     """The torch.distributed.run command line (without the program name) for this launch."""
-    from nbaccel.cli.elastic_rendezvous import BACKEND  # imports torch
+    from nbaccel.cli.elastic_rendezvous import BACKEND, C10D_BACKEND  # imports torch
 
     static = uses_static_rendezvous(cfg)
     argv = [
         f"--nnodes={cfg.num_machines}",
         f"--nproc-per-node={nprocs}",
-        # static: elastic's, with a fresh loopback-only store per restart (elastic_rendezvous)
-        f"--rdzv-backend={BACKEND if static else cfg.rdzv_backend}",
+        # elastic's static, with a fresh loopback-only store per restart, or torch's c10d
+        # with its workers' store on this machine's address only (elastic_rendezvous)
+        f"--rdzv-backend={BACKEND if static else C10D_BACKEND}",
         f"--rdzv-endpoint={cfg.main_process_ip}:{port}",
         "--rdzv-id=nbaccel",
         f"--max-restarts={cfg.max_restarts}",
