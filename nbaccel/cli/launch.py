@@ -76,7 +76,12 @@ def uses_static_rendezvous(cfg: LaunchConfig) -> bool:
 
 
 def torchrun_arguments(
-    cfg: LaunchConfig, nprocs: int, port: int, log_dir: str, target: list[str]
+    cfg: LaunchConfig,
+    nprocs: int,
+    port: int,
+    log_dir: str,
+    target: list[str],
+    hosts_store: bool = False,
 ) -> list[str]:
     """The torch.distributed.run command line (without the program name) for this launch."""
     from nbaccel.cli.elastic_rendezvous import BACKEND, C10D_BACKEND  # imports torch
@@ -102,7 +107,7 @@ def torchrun_arguments(
         # torch finds both by the machine's name, which may resolve to an address the others
         # cannot reach (Debian's 127.0.1.1) or not to the one --main_process_ip names: then
         # no machine serves the store, or the workers are told to meet where none can.
-        if hosts_c10d_store(cfg):
+        if hosts_store:
             argv.append("--rdzv-conf=is_host=1")
         local = rendezvous.route_address(cfg.main_process_ip)
         if local:
@@ -110,12 +115,19 @@ def torchrun_arguments(
     return [*argv, "--module", ENTRY_MODULE, *target]
 
 
-def hosts_c10d_store(cfg: LaunchConfig) -> bool:
-    """Whether this machine serves c10d's rendezvous store: --main_process_ip is one of its
-    own addresses (machine 0 behind NAT knows none: torch's own guess decides there)."""
-    return not uses_static_rendezvous(cfg) and bool(
-        rendezvous.listen_address(cfg.main_process_ip, one_machine=False)
-    )
+def serve_c10d_store(cfg: LaunchConfig, port: int) -> Any:
+    """Across machines with c10d, the server of its rendezvous store, on the interface of
+    --main_process_ip only (torch's store, multi-tenant, shares it); ``None`` where another
+    process serves it: the address is not this machine's (or machine 0 is behind NAT and
+    knows none: torch's own guess decides there), or the port is taken, by another machine's
+    launch on this same host."""
+    listen = rendezvous.listen_address(cfg.main_process_ip, one_machine=False)
+    if uses_static_rendezvous(cfg) or not listen:
+        return None
+    try:
+        return rendezvous.serve_store(listen, port)
+    except OSError:
+        return None
 
 
 def _resolve_port(cfg: LaunchConfig) -> int:
@@ -134,9 +146,9 @@ def _resolve_port(cfg: LaunchConfig) -> int:
         raise UsageError(message) from None
 
 
-def _meeting_point(cfg: LaunchConfig, port: int) -> str:
+def _meeting_point(cfg: LaunchConfig, port: int, hosts_store: bool) -> str:
     """Where the ranks meet, as the banner says it: machine 0 listens there, only there."""
-    if (cfg.machine_rank == 0 and uses_static_rendezvous(cfg)) or hosts_c10d_store(cfg):
+    if (cfg.machine_rank == 0 and uses_static_rendezvous(cfg)) or hosts_store:
         listen = rendezvous.listen_address(cfg.main_process_ip, cfg.num_machines == 1)
         return f"rendezvous on {rendezvous.describe_listening(listen, port)}"
     return f"rendezvous at {cfg.main_process_ip}:{port}"
@@ -243,17 +255,15 @@ def launch(args: argparse.Namespace) -> int:
     # stopped when the launch ends (see nbaccel.rank.script_guard for the rest). Only in a
     # process with no children yet (the `nbaccel` command), so nothing else of ours is stopped.
     subreaper = not containment.descendants() and containment.set_subreaper()
-    argv = torchrun_arguments(cfg, nprocs, port, log_dir, target)
-    # c10d's store (multi-tenant) shares this server on the port: it listens there only.
-    listen = rendezvous.listen_address(cfg.main_process_ip, one_machine=False)
-    c10d_server = rendezvous.serve_store(listen, port) if hosts_c10d_store(cfg) else None
+    c10d_server = serve_c10d_store(cfg, port)
+    argv = torchrun_arguments(cfg, nprocs, port, log_dir, target, c10d_server is not None)
     try:
         torch_args = torch_run.parse_args(argv)
         print(
             f"nbaccel: launching {nprocs} process{'es' if nprocs > 1 else ''} on machine "
             f"{cfg.machine_rank} of {cfg.num_machines} (world size {world_size}), "
             f"mixed_precision={cfg.mixed_precision}, strategy={cfg.strategy}, "
-            f"{_meeting_point(cfg, port)}",
+            f"{_meeting_point(cfg, port, c10d_server is not None)}",
             flush=True,
         )
         torch_run.run(torch_args)
