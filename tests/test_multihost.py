@@ -11,7 +11,8 @@ here, loopback of its own); ``nbaccel launch`` agents and real kernels run insid
 * ``--max_restarts`` (static): a rank killed mid-run restarts every rank on both hosts; a
   whole host lost (its agent SIGKILLed) fails the other host's launch within
   ``NBACCEL_RESTART_TIMEOUT`` seconds, naming the machine that did not rejoin, and the lost
-  host's ranks are gone too (by pid);
+  host's ranks are gone too (by pid); losing machine 0 (its store) stops the other host at
+  once, saying so;
 * ``notebook_launcher(num_nodes=2, node_rank=i)`` from a kernel on each host: both cells return.
 
 Single-machine launches probed from another namespace: ``tests/test_rendezvous_exposure.py``.
@@ -199,6 +200,19 @@ def test_a_killed_rank_restarts_both_hosts_and_a_lost_host_fails_the_launch(host
     while any(_alive(p) for p in lost) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in lost if _alive(p)], "host 1's ranks outlived its agent"
+
+
+def test_losing_machine_zero_stops_the_other_host_at_once(hosts, agents, script):
+    run = agents("static", "--max_restarts", "1", str(script), "--hold", "60")
+    run.wait_for(1, "READY 0 ", count=2)
+    os.kill(run.procs[0].pid, signal.SIGKILL)
+    started = time.monotonic()
+    assert run.procs[1].wait(timeout=60) == 1, run.output(1)
+    assert time.monotonic() - started < 30, "host 1 took long to notice"
+    out = run.output(1)
+    assert f"machine 0's rendezvous store at {hosts.address(0)}:{run.port} cannot be reached" in out
+    # One line, not a Python traceback (torch's C++ store logs its own warning before it).
+    assert "Traceback (most recent call last)" not in out, out
 
 
 def _in_namespace(pid: int, ns: str) -> bool:

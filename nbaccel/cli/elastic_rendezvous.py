@@ -74,17 +74,29 @@ class FreshStoreRendezvous(RendezvousHandler):
                 self._listen, static.master_port, timeout=static.timeout
             )
         info = static.next_rendezvous()
-        if self._round:
-            self._wait_for_machines(info.store)
-        key = f"nbaccel/worker_store/{self._round}"
-        self._round += 1
-        if static.rank == 0:
-            self._worker_store = None  # the last round's workers are gone: close its server
-            self._worker_store = rendezvous.serve_store(self._listen, 0)
-            port = int(self._worker_store.port)
-            info.store.set(key, str(port))
-        else:
-            port = int(info.store.get(key))
+        try:
+            if self._round:
+                self._wait_for_machines(info.store)
+            key = f"nbaccel/worker_store/{self._round}"
+            self._round += 1
+            if static.rank == 0:
+                self._worker_store = None  # the last round's workers are gone: close it
+                self._worker_store = rendezvous.serve_store(self._listen, 0)
+                port = int(self._worker_store.port)
+                info.store.set(key, str(port))
+            else:
+                port = int(info.store.get(key))
+        except RendezvousError:
+            raise
+        except Exception as exc:  # torch's DistNetworkError: machine 0's store is gone
+            if static.rank == 0:
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else ""  # then C++ frames
+            raise RendezvousError(
+                f"machine 0's rendezvous store at {static.master_addr}:{static.master_port} "
+                f"cannot be reached any more ({type(exc).__name__}: {first}): machine 0 was lost "
+                "or its nbaccel launch stopped, so this launch stops too."
+            ) from None
         store_info = RendezvousStoreInfo(static.master_addr, port)
         return RendezvousInfo(info.store, info.rank, info.world_size, store_info)
 
