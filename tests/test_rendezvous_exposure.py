@@ -218,3 +218,27 @@ def test_across_machines_the_store_listens_on_machine_zeros_address_only():
         assert rendezvous.describe_listening(address, store.port).endswith("(only that interface)")
     finally:
         del store
+
+
+def test_across_machines_gloo_and_nccl_use_the_interface_routing_to_machine_zero(monkeypatch):
+    from nbaccel.core import rendezvous
+
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    own = [a for a in _own_addresses() if ":" not in a]
+    if not own:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    holder = next(
+        n for n, addrs in psutil.net_if_addrs().items() if own[0] in {a.address for a in addrs}
+    )
+    env = rendezvous.launcher_environment({}, "cli", own[0], one_machine=False)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == holder
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")  # the user's choice wins
+    assert (
+        rendezvous.launcher_environment({}, "cli", own[0], False)["GLOO_SOCKET_IFNAME"] == "mine0"
+    )
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    # A name /etc/hosts maps to loopback: pinning gloo to lo would cut the other machines off.
+    name = socket.gethostname()
+    if ipaddress.ip_address(socket.gethostbyname(name)).is_loopback:
+        assert "GLOO_SOCKET_IFNAME" not in rendezvous.launcher_environment({}, "cli", name, False)

@@ -179,6 +179,8 @@ def launcher_environment(
         interface: str | None = hardware.loopback_interface()
     else:
         interface = route_interface(master_addr)
+        if interface == hardware.loopback_interface() and not one_machine:
+            interface = None  # a name mapped to loopback (127.0.1.1): the others reach it elsewhere
     if interface:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             env[name] = os.environ.get(name, interface)
