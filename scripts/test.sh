@@ -18,4 +18,13 @@ if [ -n "${NBACCEL_BROWSER_DEPS:-1}" ] && ! command -v chromium >/dev/null 2>&1;
   fi
 fi
 
+# The multi-host tests make hosts as network namespaces (`ip netns`, iproute2; needs root).
+if ! command -v ip >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+  else
+    echo "note: iproute2 is not installed and cannot be installed here; the multi-host tests will be skipped"
+  fi
+fi
+
 exec .venv/bin/python -m pytest "$@"

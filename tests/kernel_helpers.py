@@ -75,8 +75,26 @@ class KernelSession:
     """A real ipykernel for one test module; its pid is exempt from the leftover check, and
     :meth:`leftovers` lists what the kernel itself left running."""
 
-    def __init__(self, env: dict[str, str] | None = None, startup: str | None = None) -> None:
-        self.manager = KernelManager(kernel_name="python3")
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        startup: str | None = None,
+        prefix: list[str] | None = None,
+        ipc: str | None = None,
+    ) -> None:
+        """``prefix`` runs the kernel below a command (e.g. ``ip netns exec NS``); ``ipc``, a
+        path prefix, connects over Unix sockets instead of TCP (they reach into a network
+        namespace, which the kernel's 127.0.0.1 does not)."""
+        if ipc:
+            self.manager = KernelManager(kernel_name="python3", transport="ipc", ip=ipc)
+        else:
+            self.manager = KernelManager(kernel_name="python3")
+        if prefix:
+            import sys
+
+            argv = self.manager.kernel_spec.argv
+            # jupyter_client puts its own Python in place of a leading "python" only
+            argv[:] = [*prefix, sys.executable, *argv[1:]]
         self._env = env or {}
         self._startup = startup
         self.client = None

@@ -126,7 +126,8 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_machines_on_one_host_form_one_world(tmp_path):
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_two_machines_on_one_host_form_one_world(tmp_path, backend):
     script = tmp_path / "allreduce.py"
     script.write_text(
         textwrap.dedent(
@@ -142,6 +143,7 @@ def test_two_machines_on_one_host_form_one_world(tmp_path):
     )
     port = str(free_port())
     common = ["--num_processes", "1", "--num_machines", "2", "--main_process_port", port]
+    common += ["--rdzv_backend", backend]  # c10d: both would host its store on loopback
     machines = [
         start_cli("launch", *common, "--machine_rank", str(m), str(script), cwd=tmp_path)
         for m in (0, 1)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +21,7 @@ import psutil
 import pytest
 
 import nbaccel
+from tests import netns_helpers
 from tests.test_cli_support import free_port, start_cli
 
 LOOPBACK = ("127.0.0.1", "::1")
@@ -72,35 +71,23 @@ def _own_addresses() -> list[str]:
     return found
 
 
-def _ip(*args: str) -> bool:
-    return subprocess.run(["ip", *args], capture_output=True, timeout=30).returncode == 0
-
-
 @pytest.fixture(scope="module")
 def outside():
-    name = f"nbx{os.getpid() % 100000}{random.randrange(16**3):03x}"  # short: interface names
-    netns = host_side = None
-    if shutil.which("ip") and os.geteuid() == 0 and _ip("netns", "add", name):
-        net = f"10.{random.randrange(100, 250)}.{random.randrange(256)}"
-        host_side = f"{net}.1"
-        ok = (
-            _ip("link", "add", f"{name}a", "type", "veth", "peer", "name", f"{name}b")
-            and _ip("link", "set", f"{name}b", "netns", name)
-            and _ip("addr", "add", f"{host_side}/30", "dev", f"{name}a")
-            and _ip("link", "set", f"{name}a", "up")
-            and _ip("netns", "exec", name, "ip", "addr", "add", f"{net}.2/30", "dev", f"{name}b")
-            and _ip("netns", "exec", name, "ip", "link", "set", f"{name}b", "up")
-        )
-        netns = name if ok else None
+    net = None
+    if netns_helpers.unavailable() is None:
+        try:
+            net = netns_helpers.Network.hosts(1, with_root=True)
+        except OSError:
+            net = None
     try:
+        host_side = net.address(0) if net else None
         addresses = [a for a in _own_addresses() if a != host_side]
-        if not addresses and not netns:
+        if not addresses and not net:
             pytest.skip("no way off loopback here: no non-loopback address, no `ip netns` (root)")
-        yield Outside(addresses, netns, host_side)
+        yield Outside(addresses, net.names[1] if net else None, host_side)
     finally:
-        if shutil.which("ip") and os.geteuid() == 0:
-            _ip("link", "del", f"{name}a")
-            _ip("netns", "del", name)
+        if net:
+            net.close()
 
 
 @pytest.mark.slow
@@ -231,3 +218,27 @@ def test_across_machines_the_store_listens_on_machine_zeros_address_only():
         assert rendezvous.describe_listening(address, store.port).endswith("(only that interface)")
     finally:
         del store
+
+
+def test_across_machines_gloo_and_nccl_use_the_interface_routing_to_machine_zero(monkeypatch):
+    from nbaccel.core import rendezvous
+
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    own = [a for a in _own_addresses() if ":" not in a]
+    if not own:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    holder = next(
+        n for n, addrs in psutil.net_if_addrs().items() if own[0] in {a.address for a in addrs}
+    )
+    env = rendezvous.launcher_environment({}, "cli", own[0], one_machine=False)
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == holder
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")  # the user's choice wins
+    assert (
+        rendezvous.launcher_environment({}, "cli", own[0], False)["GLOO_SOCKET_IFNAME"] == "mine0"
+    )
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    # A name /etc/hosts maps to loopback: pinning gloo to lo would cut the other machines off.
+    name = socket.gethostname()
+    if ipaddress.ip_address(socket.gethostbyname(name)).is_loopback:
+        assert "GLOO_SOCKET_IFNAME" not in rendezvous.launcher_environment({}, "cli", name, False)

@@ -9,21 +9,28 @@ publishes the port in the agent's store under the round's number, where the othe
 agents read it. The agent's store and the workers' stores listen only on
 :func:`~nbaccel.core.rendezvous.listen_address` (loopback on one machine).
 
-Imported by ``nbaccel launch`` only (it imports torch); :func:`register` makes the backend
-known to torch elastic's registry as :data:`BACKEND`.
+Across machines, ``--rdzv_backend c10d`` is torch's c10d rendezvous (:data:`C10D_BACKEND`)
+with its workers' store on this machine's address only.
+
+Imported by ``nbaccel launch`` only (it imports torch); :func:`register` makes the backends
+known to torch elastic's registry as :data:`BACKEND` and :data:`C10D_BACKEND`.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.registry import _create_c10d_handler
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
     StaticTCPRendezvous,
     create_rdzv_handler,
@@ -32,6 +39,13 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 from nbaccel.core import rendezvous
 
 BACKEND = "nbaccel-static"
+C10D_BACKEND = "nbaccel-c10d"
+ENV_RESTART_TIMEOUT = "NBACCEL_RESTART_TIMEOUT"
+
+
+def restart_timeout() -> float:
+    """Seconds machine 0 waits for every machine to rejoin on a restart (default 120)."""
+    return float(os.environ.get(ENV_RESTART_TIMEOUT, "120"))
 
 
 class FreshStoreRendezvous(RendezvousHandler):
@@ -60,17 +74,54 @@ class FreshStoreRendezvous(RendezvousHandler):
                 self._listen, static.master_port, timeout=static.timeout
             )
         info = static.next_rendezvous()
-        key = f"nbaccel/worker_store/{self._round}"
-        self._round += 1
-        if static.rank == 0:
-            self._worker_store = None  # the last round's workers are gone: close its server
-            self._worker_store = rendezvous.serve_store(self._listen, 0)
-            port = int(self._worker_store.port)
-            info.store.set(key, str(port))
-        else:
-            port = int(info.store.get(key))
+        try:
+            if self._round:
+                self._wait_for_machines(info.store)
+            key = f"nbaccel/worker_store/{self._round}"
+            self._round += 1
+            if static.rank == 0:
+                self._worker_store = None  # the last round's workers are gone: close it
+                self._worker_store = rendezvous.serve_store(self._listen, 0)
+                port = int(self._worker_store.port)
+                info.store.set(key, str(port))
+            else:
+                port = int(info.store.get(key))
+        except RendezvousError:
+            raise
+        except Exception as exc:  # torch's DistNetworkError: machine 0's store is gone
+            if static.rank == 0:
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else ""  # then C++ frames
+            raise RendezvousError(
+                f"machine 0's rendezvous store at {static.master_addr}:{static.master_port} "
+                f"cannot be reached any more ({type(exc).__name__}: {first}): machine 0 was lost "
+                "or its nbaccel launch stopped, so this launch stops too."
+            ) from None
         store_info = RendezvousStoreInfo(static.master_addr, port)
         return RendezvousInfo(info.store, info.rank, info.world_size, store_info)
+
+    def _wait_for_machines(self, store: Any) -> None:
+        """On a restart, every machine's agent checks in; machine 0 waits for all of them
+        :func:`restart_timeout` seconds at most. Static membership is fixed: a machine that
+        does not come back (lost, its agent killed) can never be replaced, so the launch fails
+        saying so instead of waiting out the first meeting's long timeout (600 s)."""
+        static = self._static
+        prefix = f"nbaccel/restart/{self._round}/machine/"
+        store.set(f"{prefix}{static.rank}", "1")
+        if static.rank != 0:
+            return
+        keys = [f"{prefix}{r}" for r in range(static.world_size)]
+        timeout = restart_timeout()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception:  # torch's DistStoreError (a timeout) or a closed connection
+            missing = [str(r) for r, k in enumerate(keys) if not store.check([k])]
+            raise RendezvousError(
+                f"machine {', '.join(missing)} of {static.world_size} did not rejoin for "
+                f"restart {self._round} within {timeout:g} s: a static rendezvous needs all "
+                "its machines, so the launch stops (was a machine lost or its nbaccel launch "
+                f"killed?). {ENV_RESTART_TIMEOUT}=SECONDS waits longer."
+            ) from None
 
     def is_closed(self) -> bool:
         return self._static.is_closed()
@@ -93,6 +144,23 @@ def _create(params: RendezvousParameters) -> FreshStoreRendezvous:
     return FreshStoreRendezvous(create_rdzv_handler(params))
 
 
+def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's c10d rendezvous, whose workers' store (on the agent that becomes rank 0, at
+    the address given as ``--local-addr``) listens on that address only: torch's own server
+    would listen on every interface."""
+    params.backend = "c10d"  # torch's handler checks that its backend is the one asked for
+    handler = _create_c10d_handler(params)
+
+    def serve(addr: str, port: int) -> Any:
+        return rendezvous.serve_store(rendezvous.listen_address(addr, one_machine=False), port)
+
+    # (torch 2.13's one hook for this server: DynamicRendezvousHandler's own method)
+    handler._create_tcp_store_server = serve  # type: ignore[attr-defined]
+    return handler
+
+
 def register() -> None:
-    """Make ``--rdzv-backend nbaccel-static`` known to torch elastic (idempotent)."""
+    """Make ``--rdzv-backend nbaccel-static`` and ``nbaccel-c10d`` known to torch elastic
+    (idempotent)."""
     rendezvous_handler_registry.register(BACKEND, _create)
+    rendezvous_handler_registry.register(C10D_BACKEND, _create_c10d)

@@ -76,17 +76,23 @@ def uses_static_rendezvous(cfg: LaunchConfig) -> bool:
 
 
 def torchrun_arguments(
-    cfg: LaunchConfig, nprocs: int, port: int, log_dir: str, target: list[str]
+    cfg: LaunchConfig,
+    nprocs: int,
+    port: int,
+    log_dir: str,
+    target: list[str],
+    hosts_store: bool = False,
 ) -> list[str]:
     """The torch.distributed.run command line (without the program name) for this launch."""
-    from nbaccel.cli.elastic_rendezvous import BACKEND  # imports torch
+    from nbaccel.cli.elastic_rendezvous import BACKEND, C10D_BACKEND  # imports torch
 
     static = uses_static_rendezvous(cfg)
     argv = [
         f"--nnodes={cfg.num_machines}",
         f"--nproc-per-node={nprocs}",
-        # static: elastic's, with a fresh loopback-only store per restart (elastic_rendezvous)
-        f"--rdzv-backend={BACKEND if static else cfg.rdzv_backend}",
+        # elastic's static, with a fresh loopback-only store per restart, or torch's c10d
+        # with its workers' store on this machine's address only (elastic_rendezvous)
+        f"--rdzv-backend={BACKEND if static else C10D_BACKEND}",
         f"--rdzv-endpoint={cfg.main_process_ip}:{port}",
         "--rdzv-id=nbaccel",
         f"--max-restarts={cfg.max_restarts}",
@@ -97,7 +103,31 @@ def torchrun_arguments(
     ]
     if static:  # c10d numbers the machines itself; machine_rank is not needed.
         argv.append(f"--rdzv-conf=rank={cfg.machine_rank}")
+    else:
+        # torch finds both by the machine's name, which may resolve to an address the others
+        # cannot reach (Debian's 127.0.1.1) or not to the one --main_process_ip names: then
+        # no machine serves the store, or the workers are told to meet where none can.
+        if hosts_store:
+            argv.append("--rdzv-conf=is_host=1")
+        local = rendezvous.route_address(cfg.main_process_ip)
+        if local:
+            argv.append(f"--local-addr={local}")
     return [*argv, "--module", ENTRY_MODULE, *target]
+
+
+def serve_c10d_store(cfg: LaunchConfig, port: int) -> Any:
+    """Across machines with c10d, the server of its rendezvous store, on the interface of
+    --main_process_ip only (torch's store, multi-tenant, shares it); ``None`` where another
+    process serves it: the address is not this machine's (or machine 0 is behind NAT and
+    knows none: torch's own guess decides there), or the port is taken, by another machine's
+    launch on this same host."""
+    listen = rendezvous.listen_address(cfg.main_process_ip, one_machine=False)
+    if uses_static_rendezvous(cfg) or not listen:
+        return None
+    try:
+        return rendezvous.serve_store(listen, port)
+    except OSError:
+        return None
 
 
 def _resolve_port(cfg: LaunchConfig) -> int:
@@ -116,9 +146,9 @@ def _resolve_port(cfg: LaunchConfig) -> int:
         raise UsageError(message) from None
 
 
-def _meeting_point(cfg: LaunchConfig, port: int) -> str:
+def _meeting_point(cfg: LaunchConfig, port: int, hosts_store: bool) -> str:
     """Where the ranks meet, as the banner says it: machine 0 listens there, only there."""
-    if cfg.machine_rank == 0 and uses_static_rendezvous(cfg):
+    if (cfg.machine_rank == 0 and uses_static_rendezvous(cfg)) or hosts_store:
         listen = rendezvous.listen_address(cfg.main_process_ip, cfg.num_machines == 1)
         return f"rendezvous on {rendezvous.describe_listening(listen, port)}"
     return f"rendezvous at {cfg.main_process_ip}:{port}"
@@ -212,6 +242,7 @@ def launch(args: argparse.Namespace) -> int:
     import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from nbaccel.cli import elastic_rendezvous
 
@@ -224,14 +255,15 @@ def launch(args: argparse.Namespace) -> int:
     # stopped when the launch ends (see nbaccel.rank.script_guard for the rest). Only in a
     # process with no children yet (the `nbaccel` command), so nothing else of ours is stopped.
     subreaper = not containment.descendants() and containment.set_subreaper()
-    argv = torchrun_arguments(cfg, nprocs, port, log_dir, target)
+    c10d_server = serve_c10d_store(cfg, port)
+    argv = torchrun_arguments(cfg, nprocs, port, log_dir, target, c10d_server is not None)
     try:
         torch_args = torch_run.parse_args(argv)
         print(
             f"nbaccel: launching {nprocs} process{'es' if nprocs > 1 else ''} on machine "
             f"{cfg.machine_rank} of {cfg.num_machines} (world size {world_size}), "
             f"mixed_precision={cfg.mixed_precision}, strategy={cfg.strategy}, "
-            f"{_meeting_point(cfg, port)}",
+            f"{_meeting_point(cfg, port, c10d_server is not None)}",
             flush=True,
         )
         torch_run.run(torch_args)
@@ -239,6 +271,10 @@ def launch(args: argparse.Namespace) -> int:
         error = failure_from(exc.failures, world_size)
         sys.stdout.flush()
         print(f"nbaccel launch: {error}", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousError as exc:  # e.g. a machine that did not rejoin for a restart
+        sys.stdout.flush()
+        print(f"nbaccel launch: {exc}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
         # The agent has already stopped the ranks; report how we were stopped.
@@ -249,4 +285,5 @@ def launch(args: argparse.Namespace) -> int:
         if subreaper:
             containment.stop_descendants()
         shutil.rmtree(log_dir, ignore_errors=True)
+        del c10d_server
     return 0

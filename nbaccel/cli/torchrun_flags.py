@@ -45,7 +45,7 @@ INSTEAD = {
     "start_method": "ranks are started as processes by torch elastic",
     "no_python": "SCRIPT is run by Python (pass -m for a module)",
     "run_path": "SCRIPT is run by path; pass -m for a module",
-    "local_addr": "machine 0 is reached at --main_process_ip",
+    "local_addr": "each machine uses its own address on the route to --main_process_ip",
     "logs_specs": "output is relayed labelled per rank ([rankN])",
 }
 

@@ -176,6 +176,48 @@ def launcher_environment(
     env[ENV_LAUNCHER] = launcher
     env[ENV_LISTEN_ADDR] = listen_address(master_addr, one_machine)
     if one_machine and master_addr in hardware.LOOPBACK_HOSTS:
+        interface: str | None = hardware.loopback_interface()
+    else:
+        interface = route_interface(master_addr)
+        if interface == hardware.loopback_interface() and not one_machine:
+            interface = None  # a name mapped to loopback (127.0.1.1): the others reach it elsewhere
+    if interface:
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            env[name] = os.environ.get(name, hardware.loopback_interface())
+            env[name] = os.environ.get(name, interface)
     return env
+
+
+def route_address(master_addr: str) -> str | None:
+    """This machine's own address on the route to ``master_addr`` (``None``: no route).
+
+    >>> route_address("127.0.0.1")
+    '127.0.0.1'
+    """
+    try:
+        with socket.socket(_family(master_addr), socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))  # UDP: picks the route, sends nothing
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def route_interface(master_addr: str) -> str | None:
+    """The network interface this machine reaches ``master_addr`` through (machine 0: the one
+    that holds it), or ``None`` when there is no route or no address of it is this machine's.
+
+    Across machines gloo otherwise takes the address the machine's *name* resolves to, which on
+    Debian-like systems is loopback (127.0.1.1 in /etc/hosts): every other machine is then told
+    to connect to 127.0.0.1 and the mesh fails with ``Connection refused``.
+
+    >>> route_interface("127.0.0.1") in ("lo", "lo0")
+    True
+    """
+    import psutil
+
+    local = route_address(master_addr)
+    if local is None:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addresses):
+            return name
+    return None
