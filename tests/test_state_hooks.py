@@ -1,0 +1,129 @@
+"""save_state/load_state pre-hooks keep Accelerate's contract: hooks get the user's modules (not
+DDP wrappers), the state dicts and the folder; what a save hook writes there is part of the
+checkpoint, a state it pops is not written, a model a load hook pops is not loaded, and the
+prepared models stay as they were. The same hook code runs under ``accelerate.Accelerator``
+side by side, and a diffusers-style loop whose hooks save its UNet and EMA resumes bit for bit."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+import nbaccel
+
+
+def _fill(module: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(value)
+
+
+def _values(module: torch.nn.Module) -> list[float]:
+    return sorted({v for p in module.parameters() for v in p.detach().flatten().tolist()})
+
+
+def contract(lib: str, folder: str) -> dict:
+    """Two plain modules; the hooks save and load the second one themselves."""
+    acc = importlib.import_module(lib).Accelerator(cpu=True)
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    _fill(a, 1.0)
+    _fill(b, 2.0)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    acc.prepare(a, b, opt)
+    seen: dict = {}
+
+    def save_hook(models, weights, output_dir):
+        seen["save_models"] = [m is mine for m, mine in zip(models, (a, b), strict=True)]
+        seen["weights"] = [sorted(w) for w in weights]
+        seen["save_folder_exists"] = os.path.isdir(output_dir)
+        if acc.is_main_process:
+            torch.save(models[1].state_dict(), os.path.join(output_dir, "b_by_hook.pt"))
+            os.makedirs(os.path.join(output_dir, "notes"))
+            with open(os.path.join(output_dir, "notes", "a.txt"), "w") as f:
+                f.write("kept")
+        weights.pop()  # b is saved by this hook: no model file for it
+
+    def load_hook(models, input_dir):
+        seen["load_models"] = [m is mine for m, mine in zip(models, (a, b), strict=True)]
+        models.pop().load_state_dict(torch.load(os.path.join(input_dir, "b_by_hook.pt")))
+
+    handles = [acc.register_save_state_pre_hook(save_hook)]
+    handles.append(acc.register_load_state_pre_hook(load_hook))
+    acc.save_state(folder)
+    acc.wait_for_everyone()
+    seen["files"] = sorted(os.listdir(folder))
+    seen["notes"] = sorted(os.listdir(os.path.join(folder, "notes")))
+    _fill(a, 9.0)
+    _fill(b, 9.0)
+    acc.load_state(folder)
+    seen["loaded"] = (_values(a), _values(b))  # a by the library, b by the hook
+    for handle in handles:
+        handle.remove()
+    # The load hook's pop left the prepared models as they were: both are saved again.
+    again = os.path.join(folder, "again")
+    acc.save_state(again)
+    acc.wait_for_everyone()
+    seen["files_again"] = sorted(os.listdir(again))
+    return seen
+
+
+def _model_files(files: list[str]) -> list[str]:
+    return [f for f in files if f.startswith("model")]
+
+
+def _check_contract(seen: dict, ranks: int) -> None:
+    assert seen["save_models"] == [True, True]  # the user's modules, not DDP wrappers
+    assert seen["load_models"] == [True, True]
+    assert seen["weights"] == [["bias", "weight"]] * 2  # no "module." prefix
+    assert seen["save_folder_exists"]
+    # What the hook wrote is in the checkpoint; the state it popped is not.
+    assert len(_model_files(seen["files"])) == 1
+    assert {"b_by_hook.pt", "notes"} <= set(seen["files"])
+    assert seen["notes"] == ["a.txt"]
+    assert seen["loaded"] == ([1.0], [2.0])
+    assert len(_model_files(seen["files_again"])) == 2
+    assert sum(f.startswith("random_states") for f in seen["files"]) == ranks
+
+
+def test_hooks_keep_accelerates_contract_in_one_process(tmp_path):
+    """The kernel case (one process): pops, the hook's files, and a failing hook."""
+    _check_contract(contract("nbaccel", str(tmp_path / "ckpt")), ranks=1)
+    acc = nbaccel.Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(2, 1))
+
+    def write_then_fail(models, weights, output_dir):
+        open(os.path.join(output_dir, "half.txt"), "w").close()
+        raise RuntimeError("disk quota")
+
+    def keep(models, weights, output_dir):
+        open(os.path.join(output_dir, "kept.txt"), "w").close()
+
+    handle = acc.register_save_state_pre_hook(keep)
+    acc.save_state(tmp_path / "two")
+    handle.remove()
+    acc.register_save_state_pre_hook(write_then_fail)
+    with pytest.raises(RuntimeError, match="disk quota"):
+        acc.save_state(tmp_path / "two")
+    # The failed save left the previous checkpoint whole and no staging folder.
+    assert "kept.txt" in os.listdir(tmp_path / "two")
+    assert "half.txt" not in os.listdir(tmp_path / "two")
+    assert not (tmp_path / ".two.partial").exists()
+    assert model.weight.shape == (1, 2)
+
+
+@pytest.mark.slow  # real 2-rank launches
+@pytest.mark.parametrize("lib", ["nbaccel", "accelerate"])
+def test_hooks_see_and_do_what_they_do_under_accelerate(lib, tmp_path):
+    pytest.importorskip(lib)
+    outs = nbaccel.notebook_launcher(
+        contract,
+        args=(lib, str(tmp_path / "ckpt")),
+        num_processes=2,
+        progress=False,
+        return_all=True,
+    )
+    for seen in outs:
+        _check_contract(seen, ranks=2)
