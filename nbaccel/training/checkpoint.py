@@ -82,8 +82,9 @@ Hook = Callable[..., None]
 def save_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()) -> Path:
     """Write everything a resumed run needs into ``directory`` (collective: call on every rank),
     calling each of ``hooks`` as ``hook(models, weights, staging_folder)`` before the model files.
-    A failed save (a hook's too) removes its partial files (a killed one: the next save does) and
-    leaves the previous checkpoint as it was; a full disk says how much room it needs."""
+    The random states saved are the ones the run goes on with, whatever the hooks drew. A failed
+    save (a hook's too) removes its partial files (a killed one: the next save does) and leaves
+    the previous checkpoint as it was; a full disk says how much room it needs."""
     final = Path(directory)
     staging, old = _siblings(final)
     main = acc.is_main_process
@@ -94,9 +95,15 @@ def save_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook
     try:
         # Each rank's own file first: past this barrier, a failure of the main process's big
         # writes, which removes the staging folder, cannot pull it from under another rank.
-        atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
+        rng = capture_rng_state()
+        atomic_save(rng, staging / f"random_states_{acc.process_index}.pt")
         ops.barrier()
-        _write_all(acc, staging, main, list(hooks))
+        try:
+            _write_all(acc, staging, main, list(hooks))
+        finally:
+            # A hook may draw random numbers (diffusers' EMAModel.save_pretrained builds a
+            # model): the run goes on from the states saved, exactly as a resumed one will.
+            restore_rng_state(rng)
     except BaseException as exc:
         staged = _tree_bytes(staging) if main else 0
         if main:
