@@ -143,7 +143,7 @@ def _hook_models(acc: Any, prepared: Any) -> list[torch.nn.Module]:
     (FSDP modules and DeepSpeed engines as prepared), in a list of the hooks' own."""
     if getattr(prepared.strategy, "engine_checkpoint", False):
         return list(prepared.models)
-    return [acc.unwrap_model(model) for model in prepared.models]
+    return [acc.unwrap_model(model, keep_torch_compile=False) for model in prepared.models]
 
 
 def _collective_models(strategy: Any) -> bool:
