@@ -118,23 +118,35 @@ class Saving:
     # -- whole-run checkpoints ------------------------------------------------------------
 
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, weights, output_dir)`` before save_state writes (every rank).
+        """Call ``hook(models, weights, output_dir)`` in save_state, before the model files are
+        written (every rank), as Accelerate does: ``models`` are the prepared models without
+        their DDP wrappers, ``weights`` their state dicts, and ``output_dir`` the folder being
+        filled (a staging folder swapped in whole at the end, so what the hook writes there is
+        part of the checkpoint). A state the hook pops from ``weights`` is not written.
 
         Example::
 
-            def note(models, weights, output_dir): print("saving to", output_dir)
-            handle = accelerator.register_save_state_pre_hook(note)
+            def save_hook(models, weights, output_dir):
+                if accelerator.is_main_process:
+                    models[0].save_pretrained(os.path.join(output_dir, "unet"))
+                    weights.pop()   # the hook saved it: no model_0.pt
+            handle = accelerator.register_save_state_pre_hook(save_hook)
         """
         handle = RemovableHandle(self._save_model_state_pre_hook)
         self._save_model_state_pre_hook[handle.id] = hook
         return handle
 
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        """Call ``hook(models, input_dir)`` before load_state reads (every rank).
+        """Call ``hook(models, input_dir)`` in load_state, before the model files are read
+        (every rank), as Accelerate does: a model the hook pops from ``models`` (the prepared
+        models without their DDP wrappers, in a list of the hook's own) it has loaded itself.
 
         Example::
 
-            handle = accelerator.register_load_state_pre_hook(lambda models, d: print(d))
+            def load_hook(models, input_dir):
+                unet = models.pop()   # loaded here, so load_state skips it
+                unet.load_state_dict(UNet2DModel.from_pretrained(input_dir, subfolder="unet").state_dict())
+            handle = accelerator.register_load_state_pre_hook(load_hook)
         """
         handle = RemovableHandle(self._load_model_state_pre_hook)
         self._load_model_state_pre_hook[handle.id] = hook
@@ -160,14 +172,8 @@ class Saving:
             target = self._next_checkpoint_dir()
         else:
             target = self._checkpoint_dir(output_dir)
-        weights = (
-            [self.get_state_dict(m) for m in self._models]
-            if self._save_model_state_pre_hook
-            else []
-        )
-        for hook in list(self._save_model_state_pre_hook.values()):
-            hook(self._models, weights, str(target))
-        path = checkpoint.save_state(self, target)
+        hooks = list(self._save_model_state_pre_hook.values())
+        path = checkpoint.save_state(self, target, hooks)
         if config.automatic_checkpoint_naming:
             config.iteration += 1
         return str(path)
@@ -194,9 +200,7 @@ class Saving:
             target = found[-1][1]
         else:
             target = self._checkpoint_dir(input_dir)
-        for hook in list(self._load_model_state_pre_hook.values()):
-            hook(self._models, str(target))
-        path = checkpoint.load_state(self, target)
+        path = checkpoint.load_state(self, target, list(self._load_model_state_pre_hook.values()))
         if self.project_configuration.automatic_checkpoint_naming:
             match = re.search(r"checkpoint_(\d+)$", Path(path).name)
             if match:  # continue numbering after the loaded one, as Accelerate does

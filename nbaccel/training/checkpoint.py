@@ -5,6 +5,13 @@ truncated file where a good one was. ``save_state`` fills a staging folder and s
 the previous checkpoint stays whole until the new one is complete; ``load_state`` falls back to
 it when a crash hit between the two renames. Everything is read with ``weights_only=True``.
 
+The Accelerator's save/load-state pre-hooks run here, inside that swap, on Accelerate's terms:
+a save hook gets ``(models, weights, folder)`` with the user's modules (no DDP or torch.compile
+wrapper), the state dicts about to be written as ``model_<i>.pt`` and the staging folder, so what
+it writes there is part of the checkpoint; what it pops from ``weights`` is not written. A load
+hook gets ``(models, folder)``; what it pops from ``models`` nbaccel does not load. Both lists
+are the hooks' own copies: the prepared models stay as they were.
+
 >>> import torch, tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
 >>> atomic_save({"w": torch.ones(2)}, path)
@@ -17,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +76,15 @@ def _siblings(directory: Path) -> tuple[Path, Path]:
     )
 
 
-def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
-    """Write everything a resumed run needs into ``directory`` (collective: call on every rank).
-    A failed save removes its partial files (a killed one: the next save does) and leaves the
-    previous checkpoint as it was; a full disk says how much room the checkpoint needs."""
+Hook = Callable[..., None]
+
+
+def save_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()) -> Path:
+    """Write everything a resumed run needs into ``directory`` (collective: call on every rank),
+    calling each of ``hooks`` as ``hook(models, weights, staging_folder)`` before the model files.
+    The random states saved are the ones the run goes on with, whatever the hooks drew. A failed
+    save (a hook's too) removes its partial files (a killed one: the next save does) and leaves
+    the previous checkpoint as it was; a full disk says how much room it needs."""
     final = Path(directory)
     staging, old = _siblings(final)
     main = acc.is_main_process
@@ -82,9 +95,15 @@ def save_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
     try:
         # Each rank's own file first: past this barrier, a failure of the main process's big
         # writes, which removes the staging folder, cannot pull it from under another rank.
-        atomic_save(capture_rng_state(), staging / f"random_states_{acc.process_index}.pt")
+        rng = capture_rng_state()
+        atomic_save(rng, staging / f"random_states_{acc.process_index}.pt")
         ops.barrier()
-        _write_all(acc, staging, main)
+        try:
+            _write_all(acc, staging, main, list(hooks))
+        finally:
+            # A hook may draw random numbers (diffusers' EMAModel.save_pretrained builds a
+            # model): the run goes on from the states saved, exactly as a resumed one will.
+            restore_rng_state(rng)
     except BaseException as exc:
         staged = _tree_bytes(staging) if main else 0
         if main:
@@ -111,29 +130,56 @@ def _tree_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _write_all(acc: Any, staging: Path, main: bool) -> None:
+def _fsdp() -> Any:
+    """The sharded-checkpoint module, imported only when a sharded folder is met: it imports
+    torch.distributed.checkpoint, seconds a first save_state of a plain model need not pay."""
+    from nbaccel.training.strategies import fsdp
+
+    return fsdp
+
+
+def _hook_models(acc: Any, prepared: Any) -> list[torch.nn.Module]:
+    """The models as Accelerate's hooks see them: the user's modules without DDP or torch.compile
+    (FSDP modules and DeepSpeed engines as prepared), in a list of the hooks' own."""
+    if getattr(prepared.strategy, "engine_checkpoint", False):
+        return list(prepared.models)
+    return [acc.unwrap_model(model, keep_torch_compile=False) for model in prepared.models]
+
+
+def _collective_models(strategy: Any) -> bool:
+    """Whether the models are written and read by every rank's own collective (DeepSpeed's
+    engine, FSDP's shards) rather than as full state dicts: then, as in Accelerate, the hooks'
+    ``weights`` and load-time ``models`` are empty, the models handled before the hooks run."""
+    return getattr(strategy, "engine_checkpoint", False) or getattr(
+        strategy, "sharded_checkpoint", False
+    )
+
+
+def _write_all(acc: Any, staging: Path, main: bool, hooks: list[Hook]) -> None:
     prepared = acc.prepared()
     strategy = prepared.strategy
-    sharded = getattr(strategy, "sharded_checkpoint", False)  # FSDP with SHARDED_STATE_DICT
     engine = getattr(strategy, "engine_checkpoint", False)  # DeepSpeed: model + optimizer, per rank
-    from nbaccel.training.strategies import fsdp  # torch.distributed.checkpoint: import on use
-
+    sharded = getattr(strategy, "sharded_checkpoint", False)  # FSDP with SHARDED_STATE_DICT
+    weights: list[dict[str, Any]] = []
     for i, model in enumerate(prepared.models):
         if engine:
             strategy.save_engine_checkpoint(model, staging, f"model_{i}")
-            continue
-        if sharded:
-            fsdp.save_sharded_model(model, staging / f"model_{i}")
-            continue
-        state = strategy.model_state_dict(model)  # every rank: FSDP gathers here
-        if main:
+        elif sharded:
+            _fsdp().save_sharded_model(model, staging / f"model_{i}")
+        else:
+            weights.append(strategy.model_state_dict(model))  # every rank: FSDP gathers here
+    models = _hook_models(acc, prepared) if hooks else []
+    for hook in hooks:  # on every rank, as in Accelerate; a popped state is the hook's to save
+        hook(models, weights, str(staging))
+    if main:
+        for i, state in enumerate(weights):
             atomic_save(state, staging / f"model_{i}.pt")
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         # Each optimizer through its own model: under FSDP its state is gathered via that model.
         if engine:
             continue  # in the engine's checkpoint
         if sharded:
-            fsdp.save_sharded_optimizer(model, opt.optimizer, staging / f"optimizer_{i}")
+            _fsdp().save_sharded_optimizer(model, opt.optimizer, staging / f"optimizer_{i}")
             continue
         state = strategy.optimizer_state_dict(model, opt.optimizer)
         if main:
@@ -152,8 +198,10 @@ def _write_all(acc: Any, staging: Path, main: bool) -> None:
         )
 
 
-def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
-    """Restore what :func:`save_state` wrote, including this rank's RNG states (every rank)."""
+def load_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()) -> Path:
+    """Restore what :func:`save_state` wrote, including this rank's RNG states (every rank),
+    after calling each of ``hooks`` as ``hook(models, folder)``: the models a hook pops from
+    ``models`` it has loaded itself, and are not loaded here."""
     path = Path(directory)
     _, old = _siblings(path)
     if not path.is_dir() and old.is_dir():
@@ -164,28 +212,24 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         )
     prepared = acc.prepared()
     strategy = prepared.strategy
-    expected = len({p.name.removesuffix(".pt") for p in path.glob("model_*")})
-    from nbaccel.training.strategies import fsdp  # sharded folders load on any strategy
-
-    if expected != len(prepared.models):
-        raise ValueError(
-            f"the checkpoint at {path} holds {expected} model(s) but {len(prepared.models)} were "
-            "prepared; prepare the same objects, in the same order, before load_state()."
-        )
     engine = getattr(strategy, "engine_checkpoint", False)
-    for i, model in enumerate(prepared.models):
-        if engine:
-            strategy.load_engine_checkpoint(model, path, f"model_{i}")
-            continue
-        if (path / f"model_{i}").is_dir():  # sharded: loads on any number of ranks
-            fsdp.load_sharded_model(model, path / f"model_{i}")
-            continue
-        strategy.load_model_state_dict(model, torch_load(path / f"model_{i}.pt"))
+    collective = _collective_models(strategy)
+    if collective:
+        _load_models(path, prepared.models, prepared.models, strategy, engine)
+    given = [] if collective else _hook_models(acc, prepared)
+    models = list(given)
+    for hook in hooks:  # on every rank, as in Accelerate
+        hook(models, str(path))
+    if not collective:
+        # What the hooks left, mapped back to the prepared (wrapped) models they stand for.
+        prepared_of = {id(mine): theirs for mine, theirs in zip(given, prepared.models)}
+        left = [prepared_of.get(id(model), model) for model in models]
+        _load_models(path, left, prepared.models, strategy, engine)
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         if engine:
             continue
         if (path / f"optimizer_{i}").is_dir():
-            fsdp.load_sharded_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
+            _fsdp().load_sharded_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
             continue
         state = torch_load(path / f"optimizer_{i}.pt")
         strategy.load_optimizer_state_dict(model, opt.optimizer, state)
@@ -211,3 +255,26 @@ def load_state(acc: Any, directory: str | os.PathLike[str]) -> Path:
         )
     ops.barrier()
     return path
+
+
+def _load_models(
+    path: Path, models: list[Any], prepared: tuple[Any, ...], strategy: Any, engine: bool
+) -> None:
+    """Load ``model_<i>`` of ``path`` into ``models[i]``, once the count matches."""
+    expected = len({p.name.removesuffix(".pt") for p in path.glob("model_*")})
+    if expected != len(models):
+        taken = len(prepared) - len(models)
+        by_hooks = f" ({taken} taken by load_state pre-hooks)" if taken > 0 else ""
+        raise ValueError(
+            f"the checkpoint at {path} holds {expected} model file(s) but {len(models)} model(s) "
+            f"of the {len(prepared)} prepared are left to load{by_hooks}; prepare the same "
+            "objects, in the same order, and pop from the hooks' lists what the hooks save "
+            "and load themselves, as at save_state()."
+        )
+    for i, model in enumerate(models):
+        if engine:
+            strategy.load_engine_checkpoint(model, path, f"model_{i}")
+        elif (path / f"model_{i}").is_dir():  # sharded: loads on any number of ranks
+            _fsdp().load_sharded_model(model, path / f"model_{i}")
+        else:
+            strategy.load_model_state_dict(model, torch_load(path / f"model_{i}.pt"))
