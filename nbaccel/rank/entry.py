@@ -116,18 +116,20 @@ def _call(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
     return function(*args, **kwargs)
 
 
-def _call_with_store(function: Any, args: list[Any], kwargs: dict[str, Any]) -> Any:
-    # Here, so a port taken meanwhile is reported as rank 0's failure like the user's own.
-    rendezvous.host_rank_store()
-    return function(*args, **kwargs)
-
-
-def run_job(spec: RankSpec, call: Any = _call, flush_metrics: bool = True) -> int:
+def run_job(
+    spec: RankSpec, call: Any = _call, flush_metrics: bool = True, host_store: bool = False
+) -> int:
     """Run the user's function of ``spec`` through ``call`` and report how it ended (its result
     or its failure) to the kernel; return the exit status. The process group is left to die
-    with the process (see ``torch_fixes``)."""
+    with the process (see ``torch_fixes``).
+
+    ``host_store``: rank 0 serves the rendezvous store first, before anything is unpickled (a
+    ``TrainingArguments`` sets up its process group as it is unpickled), and inside the ``try``
+    so a port taken meanwhile is reported as rank 0's failure like the user's own."""
     payload, raised = None, None
     try:
+        if host_store:
+            rendezvous.host_rank_store()
         function = cloudpickle.loads(spec.function)
         args = [cloudpickle.loads(a) for a in spec.args]
         kwargs = {k: cloudpickle.loads(v) for k, v in spec.kwargs.items()}
@@ -155,7 +157,7 @@ def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any)
     torch_fixes.keep_destroyed_process_groups_alive()
     events.emit(events.Started(rank=spec.rank, pid=os.getpid()))
 
-    code = run_job(spec, call=_call_with_store)
+    code = run_job(spec, host_store=True)
     exit.end_within(code)
     exit.close_multiprocessing()
     _stop_leftovers(spec.rank)
