@@ -1,0 +1,236 @@
+"""The kernel's side of the mirror: which of the kernel's modules the fork server imports too,
+so ranks find them loaded, and the conversation with the server (``nbaccel.rank.mirror``).
+
+What qualifies (:func:`candidates`): a module the kernel has loaded, in the order it loaded them,
+whose file lies in a site-packages folder (installed code, which a session does not edit), that
+is no part of the kernel's side (``core.mirror_protocol.KERNEL_SIDE``), of the standard library
+or of nbaccel. The user's own modules (files in the working directory, on ``PYTHONPATH``,
+editable installs) are never mirrored: each rank imports them afresh, so one edited and reloaded
+in the kernel arrives edited.
+
+When names travel: those loaded before the server started go with it (a file it reads); before
+ranks are forked, the names the launched function refers to (strings in its pickle: ``from
+transformers import Trainer`` in its body, a global module) go with ``HOLD`` and are waited for;
+after the forks, ``GO`` and the rest. So a launch waits only for imports its ranks would make
+themselves (the server makes each once, for every rank) and for the one import under way; from
+the next launch on, everything the kernel had is warm in every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickletools
+import shutil
+import socket
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from nbaccel.core.events import RankSpec
+from nbaccel.core.mirror_protocol import (
+    ENV_ADDRESS,
+    ENV_FILE,
+    GO,
+    HOLD,
+    PATH,
+    kernel_side,
+    parse_line,
+)
+
+# Submodules whose choice is the kernel's (tqdm's notebook bars draw through it).
+KERNEL_CHOICES = ("tqdm.notebook", "tqdm.autonotebook", "tqdm.auto", "google.colab")
+# A server that answers nothing for this long is importing something that hangs: it is replaced.
+SILENCE_DEADLINE = 120.0
+
+_never: set[str] = set()  # failed, loaded CUDA or hung in a server: not sent again
+
+
+def _site_dirs() -> tuple[str, ...]:
+    import site
+
+    paths = sysconfig.get_paths()
+    dirs = {paths.get("purelib"), paths.get("platlib")}
+    dirs.update(getattr(site, "getsitepackages", list)())
+    dirs.add(getattr(site, "getusersitepackages", str)())
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+def candidates(modules: dict[str, Any] | None = None) -> list[str]:
+    """The kernel's modules the fork server should import too, in the order they were loaded.
+
+    >>> import json
+    >>> candidates({"json": json})  # the standard library is never mirrored
+    []
+    """
+    modules = sys.modules if modules is None else modules
+    site_dirs, stdlib = _site_dirs(), sys.stdlib_module_names
+    names = []
+    for name, module in list(modules.items()):
+        top = name.partition(".")[0]
+        if (
+            top in stdlib
+            or kernel_side(name)
+            or name in _never
+            or name.startswith(KERNEL_CHOICES)
+            or name.endswith(".__main__")
+            or getattr(getattr(module, "__spec__", None), "name", None) != name
+        ):
+            continue
+        path = getattr(module, "__file__", None)
+        if isinstance(path, str) and os.path.realpath(path).startswith(site_dirs):
+            names.append(name)
+    return names
+
+
+def referenced(specs: Iterable[RankSpec]) -> set[str]:
+    """Top-level names the launched function and its arguments mention: the strings in their
+    pickles (the modules of globals, the names the code imports)."""
+    found: set[str] = set()
+    for spec in specs:  # every rank gets the same function: the first one says it
+        for blob in (spec.function, *spec.args, *spec.kwargs.values()):
+            try:
+                for _, arg, _ in pickletools.genops(blob):
+                    if isinstance(arg, str) and len(arg) < 200:
+                        found.update(word.partition(".")[0] for word in arg.split())
+            except Exception:  # noqa: BLE001 - a pickle it cannot walk only costs warmth
+                continue
+        break
+    return found
+
+
+class Mirror:
+    """The mirror of one fork server: names sent, answers pending, the socket it speaks on."""
+
+    def __init__(self, initial: list[str]) -> None:
+        self._dir = tempfile.mkdtemp(prefix="nbaccel-mirror-")
+        self.address = os.path.join(self._dir, "socket")
+        self.file = os.path.join(self._dir, "initial")
+        self._path = list(sys.path)
+        with open(self.file, "w", encoding="utf-8") as f:
+            f.write("".join(f"{n}\n" for n in [_path_line(self._path), *initial]))
+        self._listener: socket.socket | None = socket.socket(socket.AF_UNIX)
+        self._listener.bind(self.address)
+        self._listener.listen(1)
+        self._conn: socket.socket | None = None
+        self._buffer = b""
+        self.pending: collections.OrderedDict[str, None] = collections.OrderedDict.fromkeys(initial)
+        self.sent = set(initial)
+        self.answers: dict[str, dict[str, Any]] = {}
+        self.held = False
+        self.broken: str | None = None  # why this server must be replaced, once it must
+
+    def env(self) -> dict[str, str]:
+        """What the server's environment must have to find this mirror."""
+        return {ENV_ADDRESS: self.address, ENV_FILE: self.file}
+
+    def connected(self) -> bool:
+        """Take the server's connection (it connects while it starts, so a ready server's
+        waits); ``False`` for a server that did not (then there is no mirror)."""
+        if self._conn is None and self._listener is not None:
+            self._listener.settimeout(2.0)
+            try:
+                self._conn, _ = self._listener.accept()
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+            shutil.rmtree(self._dir, ignore_errors=True)
+        return self._conn is not None
+
+    def hold(self, first: list[str]) -> None:
+        """Have the server import ``first`` (before anything queued), then hold; wait for it."""
+        first = [n for n in first if n in self.pending or n not in self.sent]
+        self.sent.update(first)
+        self.pending.update(dict.fromkeys(first))
+        self.held = False
+        path = [] if sys.path == self._path else [_path_line(sys.path)]
+        self._path = list(sys.path)
+        self._send("\n".join([*path, " ".join([HOLD, *first])]))
+        self._read_until(lambda: self.held)
+
+    def go(self, names: list[str]) -> None:
+        """Let the server import again, ``names`` (those not sent yet) after what it has."""
+        names = [n for n in names if n not in self.sent]
+        self.sent.update(names)
+        self.pending.update(dict.fromkeys(names))
+        self._send("\n".join([GO, *names]))
+
+    def wait(self) -> None:
+        """Wait until every name sent is answered (tests; a launch waits only in :meth:`hold`)."""
+        self._read_until(lambda: not self.pending)
+
+    def _send(self, text: str) -> None:
+        if self.broken is None and self.connected():
+            try:
+                self._conn.sendall((text + "\n").encode())  # type: ignore[union-attr]
+            except OSError:
+                self._lost()
+
+    def _read_until(self, done: Any, poll: float = 0.05) -> None:
+        """Read answers until ``done()``, this server is broken (CUDA, died, hung) or gone;
+        interruptible (no rank is started meanwhile)."""
+        heard = time.monotonic()
+        while not done() and self.broken is None and self.connected():
+            self._conn.settimeout(poll)  # type: ignore[union-attr]
+            try:
+                chunk = self._conn.recv(65536)  # type: ignore[union-attr]
+            except TimeoutError:
+                if time.monotonic() - heard > SILENCE_DEADLINE:
+                    name = next(iter(self.pending), "?")
+                    _never.add(name)
+                    self.broken = f"importing {name} took over {SILENCE_DEADLINE:g} s"
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._lost()
+                return
+            heard = time.monotonic()
+            *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+            for line in lines:
+                self._answer(parse_line(line))
+
+    def _answer(self, answer: dict[str, Any]) -> None:
+        if answer.get("held"):
+            self.held = True
+            return
+        name = answer["name"]
+        self.pending.pop(name, None)
+        self.answers[name] = answer
+        if not answer["ok"]:
+            _never.add(name)
+        if answer["cuda"]:
+            _never.add(name)
+            self.broken = f"importing {name} loaded CUDA's driver into it"
+
+    def _lost(self) -> None:
+        """The server closed the connection: an import killed it, or it loaded CUDA. The name
+        under way is never sent again."""
+        if self.pending:
+            name = next(iter(self.pending))
+            _never.add(name)
+            self.broken = self.broken or f"the fork server ended while importing {name}"
+        self.pending.clear()
+        self.close()
+
+    def close(self) -> None:
+        for sock in (self._conn, self._listener):
+            if sock is not None:
+                sock.close()
+        self._conn = self._listener = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _path_line(path: list[str]) -> str:
+    return f"{PATH} {json.dumps(path)}"
+
+
+def needed(specs: Iterable[RankSpec]) -> list[str]:
+    """The candidates the launched function refers to (see :func:`referenced`)."""
+    tops = referenced(specs)
+    return [n for n in candidates() if n.partition(".")[0] in tops]
