@@ -19,6 +19,7 @@ the next launch on, everything the kernel had is warm in every rank.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import pickletools
@@ -50,6 +51,7 @@ SILENCE_DEADLINE = 120.0
 _never: set[str] = set()  # failed, loaded CUDA or hung in a server: not sent again
 
 
+@functools.cache
 def _site_dirs() -> tuple[str, ...]:
     import site
 
@@ -57,7 +59,8 @@ def _site_dirs() -> tuple[str, ...]:
     dirs = {paths.get("purelib"), paths.get("platlib")}
     dirs.update(getattr(site, "getsitepackages", list)())
     dirs.add(getattr(site, "getusersitepackages", str)())
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+    found = {os.path.join(f(d), "") for d in dirs if d for f in (os.path.abspath, os.path.realpath)}
+    return tuple(found)
 
 
 def candidates(modules: dict[str, Any] | None = None) -> list[str]:
@@ -68,23 +71,34 @@ def candidates(modules: dict[str, Any] | None = None) -> list[str]:
     []
     """
     modules = sys.modules if modules is None else modules
-    site_dirs, stdlib = _site_dirs(), sys.stdlib_module_names
     names = []
     for name, module in list(modules.items()):
-        top = name.partition(".")[0]
-        if (
-            top in stdlib
-            or kernel_side(name)
-            or name in _never
-            or name.startswith(KERNEL_CHOICES)
-            or name.endswith(".__main__")
-            or getattr(getattr(module, "__spec__", None), "name", None) != name
-        ):
-            continue
-        path = getattr(module, "__file__", None)
-        if isinstance(path, str) and os.path.realpath(path).startswith(site_dirs):
+        verdict = _verdicts.get(name)
+        if verdict is None or verdict[0] is not module:
+            verdict = _verdicts[name] = (module, _qualifies(name, module))
+        if verdict[1] and name not in _never:
             names.append(name)
     return names
+
+
+# name → (module, whether it qualifies): a launch asks about every loaded module (thousands with
+# transformers), and finding a module's real path is a few system calls.
+_verdicts: dict[str, tuple[Any, bool]] = {}
+
+
+def _qualifies(name: str, module: Any) -> bool:
+    if (
+        name.partition(".")[0] in sys.stdlib_module_names
+        or kernel_side(name)
+        or name.startswith(KERNEL_CHOICES)
+        or name.endswith(".__main__")
+        or getattr(getattr(module, "__spec__", None), "name", None) != name
+    ):
+        return False
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return False
+    return path.startswith(_site_dirs()) or os.path.realpath(path).startswith(_site_dirs())
 
 
 def referenced(specs: Iterable[RankSpec]) -> set[str]:
