@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = heavy_import.run(args.reps, args.smoke, args.world, scratch)
             results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
             results[name]["measured"] = {
-                k: results["machine"][k] for k in ("date", "git_commit", "load_average_at_start")
+                "reps": args.reps,
+                **{
+                    k: results["machine"][k]
+                    for k in ("date", "git_commit", "load_average_at_start")
+                },
             }
     finally:
         scratch.close()

@@ -70,8 +70,12 @@ def ensure_server(extra_modules: tuple[str, ...] = (), restart: bool = False) ->
     # next launch would find multiprocessing's record of it inconsistent.
     with _server_lock, containment.sigint_deferred():
         restart = restart or not set(wanted) <= set(_server_modules)
-        if not restart and mp_internals.server_alive(mp_internals.forkserver_pid()):
+        alive = mp_internals.server_alive(mp_internals.forkserver_pid())
+        if not restart and alive:
             return
+        if _mirror is not None:
+            _mirror.abandon(died=not alive)
+            _mirror = None
         _server_modules = wanted
         fd, marker = tempfile.mkstemp(prefix="nbaccel-server-warming-")
         os.close(fd)
@@ -80,8 +84,6 @@ def ensure_server(extra_modules: tuple[str, ...] = (), restart: bool = False) ->
         if mp_internals.start_forkserver(list(wanted), restart=restart, env=env):
             _discard(_ready_marker)
             _ready_marker = marker
-            if _mirror is not None:
-                _mirror.close()
             _mirror = kernel_mirror
         else:
             _discard(marker)

@@ -185,15 +185,17 @@ class Mirror:
             except OSError:
                 self._lost()
 
-    def _read_until(self, done: Any, poll: float = 0.05) -> None:
-        """Read answers until ``done()``, this server is broken (CUDA, died, hung) or gone;
-        interruptible (no rank is started meanwhile)."""
+    def _read_until(self, done: Any, poll: float = 0.05, drain: bool = False) -> None:
+        """Read answers until ``done()``, this server is broken (CUDA, died, hung) or gone
+        (``drain``: until none is waiting); interruptible (no rank is started meanwhile)."""
         heard = time.monotonic()
         while not done() and self.broken is None and self.connected():
             self._conn.settimeout(poll)  # type: ignore[union-attr]
             try:
                 chunk = self._conn.recv(65536)  # type: ignore[union-attr]
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):
+                if drain:
+                    return
                 if time.monotonic() - heard > SILENCE_DEADLINE:
                     name = next(iter(self.pending), "?")
                     _never.add(name)
@@ -202,7 +204,8 @@ class Mirror:
             except OSError:
                 chunk = b""
             if not chunk:
-                self._lost()
+                if not drain:
+                    self._lost()
                 return
             heard = time.monotonic()
             *lines, self._buffer = (self._buffer + chunk).split(b"\n")
@@ -230,6 +233,15 @@ class Mirror:
             _never.add(name)
             self.broken = self.broken or f"the fork server ended while importing {name}"
         self.pending.clear()
+        self.close()
+
+    def abandon(self, died: bool) -> None:
+        """Close, after reading the answers already there; for a server that ``died``, the
+        module it was importing is never sent again (it may be what killed it)."""
+        if self._conn is not None:
+            self._read_until(lambda: False, poll=0.0, drain=True)
+        if died and self.pending:
+            _never.add(next(iter(self.pending)))
         self.close()
 
     def close(self) -> None:
