@@ -89,9 +89,13 @@ def _warm_up_in_kernel() -> None:
     if not in_kernel():
         return
     try:
+        from IPython import get_ipython
+
         from nbaccel.launch.forkserver import ensure_server
+        from nbaccel.launch.mirror import follow_kernel
 
         ensure_server()
+        follow_kernel(get_ipython())
     except Exception:  # noqa: BLE001 - warming up is an optimisation; the launch will retry
         pass
 

@@ -192,3 +192,15 @@ def test_an_import_that_loads_a_cuda_driver_replaces_the_server(tmp_path):
         assert "loaded CUDA's driver" in cell.stderr, cell.stderr
         assert value(kernel, "_mp.forkserver_pid()") != pid
         assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=1)") == 7
+
+
+def test_a_package_imported_after_nbaccel_is_warm_at_the_first_launch():
+    # The cell's import reaches the server when the cell ends, not only at the next launch.
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel") as kernel:
+        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.wait_until_ready() or 0")
+        value(kernel, "import pandas\n0")
+        assert value(kernel, "'pandas' in _fs.current_mirror().sent")
+        value(kernel, "_fs.current_mirror().wait() or 0")
+        probe = "def loaded():\n    import sys\n    return 'pandas' in sys.modules\n0"
+        value(kernel, probe)
+        assert value(kernel, "nbaccel.notebook_launcher(loaded, num_processes=1)") is True

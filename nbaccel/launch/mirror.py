@@ -8,8 +8,9 @@ or of nbaccel. The user's own modules (files in the working directory, on ``PYTH
 editable installs) are never mirrored: each rank imports them afresh, so one edited and reloaded
 in the kernel arrives edited.
 
-When names travel: those loaded before the server started go with it (a file it reads); before
-ranks are forked, the names the launched function refers to (strings in its pickle: ``from
+When names travel: those loaded before the server started go with it (a file it reads); after
+each cell, what the cell imported (:func:`follow_kernel`, so the server imports it while the
+person writes the next cell); before ranks are forked, the names the launched function refers to (strings in its pickle: ``from
 transformers import Trainer`` in its body, a global module) go with ``HOLD`` and are waited for;
 after the forks, ``GO`` and the rest. So a launch waits only for imports its ranks would make
 themselves (the server makes each once, for every rank) and for the one import under way; from
@@ -142,19 +143,31 @@ class Mirror:
         """What the server's environment must have to find this mirror."""
         return {ENV_ADDRESS: self.address, ENV_FILE: self.file}
 
-    def connected(self) -> bool:
+    def connected(self, wait: float = 2.0) -> bool:
         """Take the server's connection (it connects while it starts, so a ready server's
-        waits); ``False`` for a server that did not (then there is no mirror)."""
+        waits); ``False`` for a server that did not within ``wait`` s (then there is no mirror;
+        ``wait=0``: not yet, ask again later)."""
         if self._conn is None and self._listener is not None:
-            self._listener.settimeout(2.0)
+            self._listener.settimeout(wait or None)
+            if not wait:
+                self._listener.setblocking(False)
             try:
                 self._conn, _ = self._listener.accept()
+                self._conn.setblocking(True)
             except OSError:
-                pass
+                if not wait:
+                    return False
             self._listener.close()
             self._listener = None
             shutil.rmtree(self._dir, ignore_errors=True)
         return self._conn is not None
+
+    def offer(self, names: list[str]) -> None:
+        """Queue ``names`` (those not sent yet) if the server is connected, without waiting
+        for it; take the answers already there."""
+        if self.broken is None and self.connected(wait=0.0):
+            self._read_until(lambda: False, poll=0.0, drain=True)
+            self.go(names, resume=False)
 
     def hold(self, first: list[str]) -> None:
         """Have the server import ``first`` (before anything queued), then hold; wait for it."""
@@ -167,20 +180,25 @@ class Mirror:
         self._send("\n".join([*path, " ".join([HOLD, *first])]))
         self._read_until(lambda: self.held)
 
-    def go(self, names: list[str]) -> None:
-        """Let the server import again, ``names`` (those not sent yet) after what it has."""
+    def go(self, names: list[str], resume: bool = True) -> None:
+        """Let the server import again (``resume``), ``names`` (those not sent yet) after what
+        it has."""
         names = [n for n in names if n not in self.sent]
+        if not names and not resume:
+            return
         self.sent.update(names)
         self.pending.update(dict.fromkeys(names))
-        self._send("\n".join([GO, *names]))
+        self._send("\n".join([GO, *names] if resume else names))
 
     def wait(self) -> None:
         """Wait until every name sent is answered (tests; a launch waits only in :meth:`hold`)."""
-        self._read_until(lambda: not self.pending)
+        if self.connected(wait=SILENCE_DEADLINE):
+            self._read_until(lambda: not self.pending)
 
     def _send(self, text: str) -> None:
         if self.broken is None and self.connected():
             try:
+                self._conn.settimeout(10.0)  # type: ignore[union-attr]
                 self._conn.sendall((text + "\n").encode())  # type: ignore[union-attr]
             except OSError:
                 self._lost()
@@ -260,3 +278,20 @@ def needed(specs: Iterable[RankSpec]) -> list[str]:
     """The candidates the launched function refers to (see :func:`referenced`)."""
     tops = referenced(specs)
     return [n for n in candidates() if n.partition(".")[0] in tops]
+
+
+def follow_kernel(shell: Any) -> None:
+    """After each cell of IPython ``shell``, offer the fork server what the cell imported."""
+    if _after_cell not in shell.events.callbacks.get("post_run_cell", []):
+        shell.events.register("post_run_cell", _after_cell)
+
+
+def _after_cell(*_: Any) -> None:
+    try:
+        from nbaccel.launch.forkserver import current_mirror
+
+        current = current_mirror()
+        if current is not None:
+            current.offer(candidates())
+    except Exception:  # noqa: BLE001 - warming is an optimisation; a cell must never fail
+        pass
