@@ -10,6 +10,8 @@ from __future__ import annotations
 import site
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -204,3 +206,34 @@ def test_a_package_imported_after_nbaccel_is_warm_at_the_first_launch():
         probe = "def loaded():\n    import sys\n    return 'pandas' in sys.modules\n0"
         value(kernel, probe)
         assert value(kernel, "nbaccel.notebook_launcher(loaded, num_processes=1)") is True
+
+
+def test_stop_while_a_launch_waits_for_the_server_leaves_it_mirroring(tmp_path):
+    # The launch waits for the server to import a slow package its function uses; Stop then
+    # must let the server go on (not leave it holding for a launch that never comes).
+    home = tmp_path / "userbase"
+    # A launch that waits for the server longer than this is no stall (whose stack request
+    # would kill ranks forked after the wait, before they can answer it).
+    env = {"NBACCEL_VIEW": "text", "PYTHONUSERBASE": str(home), "NBACCEL_STALL_AFTER": "3"}
+    with KernelSession(env=env, startup="import site, sys, threading, time\n0") as kernel:
+        user_site = value(kernel, "site.getusersitepackages()")
+        folder = home / user_site[len(str(home)) + 1 :]
+        folder.mkdir(parents=True)
+        (folder / "slow_in_server.py").write_text(
+            "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(6)\n"
+        )
+        value(kernel, f"sys.path.append({user_site!r})\nimport nbaccel\n0")
+        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.wait_until_ready() or 0")
+        value(kernel, "def slow():\n    import slow_in_server\n    return 1\n0")
+        kernel.execute("import slow_in_server")  # the cell's end sends it to the server
+        timer = threading.Timer(1.5, kernel.interrupt)
+        timer.start()
+        cell = kernel.execute("nbaccel.notebook_launcher(slow, num_processes=1)", timeout=60)
+        timer.join()
+        assert "launch interrupted before any rank started" in cell.error_text, cell.error_text
+        pid = value(kernel, "import nbaccel.core.mp_internals as _mp\n_mp.forkserver_pid()")
+        started = time.monotonic()
+        assert value(kernel, "nbaccel.notebook_launcher(slow, num_processes=1)") == 1
+        assert time.monotonic() - started < 60  # not the 120 s deadline for a silent server
+        assert value(kernel, "_mp.forkserver_pid()") == pid  # and not replaced
+        assert value(kernel, "_fs.current_mirror().answers['slow_in_server']['ok']")

@@ -1,14 +1,15 @@
 """The kernel ↔ fork-server contract of the mirror: how the server finds the kernel, what the
 kernel's side is (never mirrored into a rank), and the lines both sides write.
 
-Kernel → server, one line each: a module name (import it, after those queued), ``HOLD
-name...`` (import these first, then answer ``{"held": true}`` and import nothing more until
-``GO``), or ``PATH [json list]`` (the kernel's ``sys.path``: CPython's fork server starts with
+Kernel → server, one line each: a module name (import it, after those queued), ``HOLD n
+name...`` (import these first, then answer ``{"held": n}`` and import nothing more until
+``GO``; ``n`` counts the kernel's holds, so an answer to one it gave up on is not taken for the
+next), or ``PATH [json list]`` (the kernel's ``sys.path``: CPython's fork server starts with
 the interpreter's own). Server → kernel: one JSON object per line, ``{"name", "ok", "error", "cuda",
-"seconds"}`` per import, ``{"held": true}`` once held.
+"seconds"}`` per import, ``{"held": n}`` once held.
 
->>> parse_line(b'{"held": true}')
-{'held': True}
+>>> parse_line(b'{"held": 3}')
+{'held': 3}
 """
 
 from __future__ import annotations

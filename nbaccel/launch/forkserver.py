@@ -101,25 +101,26 @@ def ranks_starting(specs: Sequence[RankSpec], start_method: str) -> Iterator[Non
     rank is started yet. Other start methods have no server: nothing to do.
     """
     held = None
-    for attempt in range(MIRROR_ATTEMPTS + 1 if start_method == "forkserver" else 0):
-        wait_until_ready()
-        held = _mirror if _mirror is not None and _mirror.connected() else None
-        if held is None or attempt == MIRROR_ATTEMPTS:
-            held = None
-            break
-        held.hold(mirror.needed(specs))
-        if held.broken is None:
-            break
-        print(
-            f"nbaccel: replacing the fork server ({held.broken}); that module is not "
-            "imported there any more",
-            file=sys.stderr,
-            flush=True,
-        )
-        ensure_server(_launch_preloads(), restart=True)
     try:
+        for attempt in range(MIRROR_ATTEMPTS + 1 if start_method == "forkserver" else 0):
+            wait_until_ready()
+            current = _mirror if _mirror is not None and _mirror.connected() else None
+            if current is None or attempt == MIRROR_ATTEMPTS:
+                break
+            held = current
+            held.hold(mirror.needed(specs))
+            if held.broken is None:
+                break
+            print(
+                f"nbaccel: replacing the fork server ({held.broken}); that module is not "
+                "imported there any more",
+                file=sys.stderr,
+                flush=True,
+            )
+            held = None
+            ensure_server(_launch_preloads(), restart=True)
         yield
-    finally:
+    finally:  # also after Ctrl-C while waiting: a server left holding would mirror no more
         if held is not None and held.broken is None:
             held.go(mirror.candidates())
 

@@ -174,7 +174,6 @@ def _raise_short(exc: BaseException) -> None:
 def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
     """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
     __tracebackhide__ = True
-    state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
     group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
     try:
         if plan.info.start_method == "forkserver":
@@ -182,6 +181,9 @@ def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[
         group.start()  # stops what it started on any failure
     except KeyboardInterrupt as exc:  # Stop while starting: its message says what was stopped
         _raise_short(exc)
+    # The launch's clocks start with its ranks: a wait for the fork server (its imports) is no
+    # stall, and a stack request then would kill ranks that have no handler for it yet.
+    state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
     try:
         return Relay(group, state, view, plan.timeout).run()
     except KeyboardInterrupt:

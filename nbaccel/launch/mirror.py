@@ -136,7 +136,7 @@ class Mirror:
         self.pending: collections.OrderedDict[str, None] = collections.OrderedDict.fromkeys(initial)
         self.sent = set(initial)
         self.answers: dict[str, dict[str, Any]] = {}
-        self.held = False
+        self.held = self._holds = 0  # the last hold the server answered, the last asked for
         self.broken: str | None = None  # why this server must be replaced, once it must
 
     def env(self) -> dict[str, str]:
@@ -174,11 +174,12 @@ class Mirror:
         first = [n for n in first if n in self.pending or n not in self.sent]
         self.sent.update(first)
         self.pending.update(dict.fromkeys(first))
-        self.held = False
+        self._holds += 1
+        number = self._holds
         path = [] if sys.path == self._path else [_path_line(sys.path)]
         self._path = list(sys.path)
-        self._send("\n".join([*path, " ".join([HOLD, *first])]))
-        self._read_until(lambda: self.held)
+        self._send("\n".join([*path, " ".join([HOLD, str(number), *first])]))
+        self._read_until(lambda: self.held == number)
 
     def go(self, names: list[str], resume: bool = True) -> None:
         """Let the server import again (``resume``), ``names`` (those not sent yet) after what
@@ -231,8 +232,8 @@ class Mirror:
                 self._answer(parse_line(line))
 
     def _answer(self, answer: dict[str, Any]) -> None:
-        if answer.get("held"):
-            self.held = True
+        if "held" in answer:
+            self.held = answer["held"]
             return
         name = answer["name"]
         self.pending.pop(name, None)

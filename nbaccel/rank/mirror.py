@@ -72,7 +72,7 @@ def import_one(name: str) -> dict[str, Any]:
     started = time.monotonic()
     answer: dict[str, Any] = {"name": name, "ok": True, "error": None, "cuda": False}
     with _fork_lock:
-        collecting = gc.isenabled()
+        collecting, loaded = gc.isenabled(), len(sys.modules)
         gc.disable()
         try:
             importlib.import_module(name)
@@ -82,7 +82,8 @@ def import_one(name: str) -> dict[str, Any]:
             gc.freeze()  # lives as long as the server: the ranks' collections skip it
             if collecting:
                 gc.enable()
-        answer["cuda"] = cuda_loaded()
+        # (reading the memory map takes ms, and most names of a package are loaded already)
+        answer["cuda"] = len(sys.modules) != loaded and cuda_loaded()
     answer["seconds"] = round(time.monotonic() - started, 4)
     return answer
 
@@ -94,7 +95,7 @@ class _Lines:
         self.sock, self.buffer = sock, b""
         self.queue: collections.deque[str] = collections.deque()
         self.first: collections.deque[str] = collections.deque()
-        self.holding = False
+        self.holding, self.hold_number = False, 0
         self._take(initial + b"\n")
 
     def read(self, block: bool) -> bool:
@@ -116,7 +117,8 @@ class _Lines:
             if command == PATH:  # the kernel's sys.path: where its packages are found
                 sys.path[:] = json.loads(rest)
             elif command == HOLD:
-                names = rest.split()
+                number, *names = rest.split()
+                self.hold_number = int(number)
                 for name in names:
                     if name in self.queue:
                         self.queue.remove(name)
@@ -135,8 +137,10 @@ def _serve(sock: socket.socket, initial: bytes) -> None:
             if lines.first:
                 name = lines.first.popleft()
             elif lines.holding:
-                sock.sendall(encode({"held": True}))
-                while lines.holding:  # until GO: the kernel forks its ranks meanwhile
+                sock.sendall(encode({"held": lines.hold_number}))
+                # until GO (the kernel forks its ranks meanwhile), or a new HOLD from a kernel
+                # that gave up on this one (Ctrl-C)
+                while lines.holding and not lines.first:
                     if not lines.read(block=True):
                         return
                 continue
