@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import pickletools
+import select
 import shutil
 import socket
 import sys
@@ -197,12 +198,23 @@ class Mirror:
             self._read_until(lambda: not self.pending)
 
     def _send(self, text: str) -> None:
-        if self.broken is None and self.connected():
+        """Send ``text``, reading the server's answers whenever its socket is full: the server
+        stops reading while it waits to write an answer, so sending alone could wait forever."""
+        data = (text + "\n").encode()
+        heard = time.monotonic()
+        while data and self.broken is None and self.connected():
+            ready = select.select([], [self._conn], [], 0.05)[1]
             try:
-                self._conn.settimeout(10.0)  # type: ignore[union-attr]
-                self._conn.sendall((text + "\n").encode())  # type: ignore[union-attr]
+                if ready:
+                    data = data[self._conn.send(data) :]  # type: ignore[union-attr]
+                    heard = time.monotonic()
+                else:
+                    self._read_until(lambda: False, poll=0.0, drain=True)
             except OSError:
                 self._lost()
+                return
+            if time.monotonic() - heard > SILENCE_DEADLINE:
+                self.broken = f"the fork server took no names for {SILENCE_DEADLINE:g} s"
 
     def _read_until(self, done: Any, poll: float = 0.05, drain: bool = False) -> None:
         """Read answers until ``done()``, this server is broken (CUDA, died, hung) or gone
