@@ -91,8 +91,7 @@ def _warm_up_in_kernel() -> None:
     try:
         from IPython import get_ipython
 
-        from nbaccel.launch.forkserver import ensure_server
-        from nbaccel.launch.mirror import follow_kernel
+        from nbaccel.launch.forkserver import ensure_server, follow_kernel
 
         ensure_server()
         follow_kernel(get_ipython())

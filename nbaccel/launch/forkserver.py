@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from nbaccel.core import mp_internals
 from nbaccel.core.events import RankSpec
@@ -127,6 +128,20 @@ def ranks_starting(specs: Sequence[RankSpec], start_method: str) -> Iterator[Non
 
 def _launch_preloads() -> tuple[str, ...]:
     return tuple(m for m in _server_modules if m not in SERVER_PRELOAD + SERVER_LAST)
+
+
+def follow_kernel(shell: Any) -> None:
+    """After each cell of IPython ``shell``, offer the fork server what the cell imported."""
+    if _after_cell not in shell.events.callbacks.get("post_run_cell", []):
+        shell.events.register("post_run_cell", _after_cell)
+
+
+def _after_cell(*_: Any) -> None:
+    try:
+        if _mirror is not None:
+            _mirror.offer(mirror.candidates())
+    except Exception:  # noqa: BLE001 - warming is an optimisation; a cell must never fail
+        pass
 
 
 def current_mirror() -> mirror.Mirror | None:

@@ -9,7 +9,7 @@ editable installs) are never mirrored: each rank imports them afresh, so one edi
 in the kernel arrives edited.
 
 When names travel: those loaded before the server started go with it (a file it reads); after
-each cell, what the cell imported (:func:`follow_kernel`, so the server imports it while the
+each cell, what the cell imported (``forkserver.follow_kernel``, so the server imports it while the
 person writes the next cell); before ranks are forked, the names the launched function refers to (strings in its pickle: ``from
 transformers import Trainer`` in its body, a global module) go with ``HOLD`` and are waited for;
 after the forks, ``GO`` and the rest. So a launch waits only for imports its ranks would make
@@ -291,20 +291,3 @@ def needed(specs: Iterable[RankSpec]) -> list[str]:
     """The candidates the launched function refers to (see :func:`referenced`)."""
     tops = referenced(specs)
     return [n for n in candidates() if n.partition(".")[0] in tops]
-
-
-def follow_kernel(shell: Any) -> None:
-    """After each cell of IPython ``shell``, offer the fork server what the cell imported."""
-    if _after_cell not in shell.events.callbacks.get("post_run_cell", []):
-        shell.events.register("post_run_cell", _after_cell)
-
-
-def _after_cell(*_: Any) -> None:
-    try:
-        from nbaccel.launch.forkserver import current_mirror
-
-        current = current_mirror()
-        if current is not None:
-            current.offer(candidates())
-    except Exception:  # noqa: BLE001 - warming is an optimisation; a cell must never fail
-        pass
