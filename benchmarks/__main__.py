@@ -2,7 +2,9 @@
 
 Options: ``--reps N`` interleaved repetitions (default 5), ``--smoke`` (one repetition, tiny
 step counts: checks the wiring, the numbers mean nothing), ``--only launch,steps,...``,
-``--world N`` ranks (default 2), ``--out DIR`` (default ``benchmarks/results``).
+``--world N`` ranks (default 2), ``--out DIR`` (default ``benchmarks/results``). With
+``--only``, the sections not run are kept from the results file already there (each section
+says when it was measured).
 """
 
 from __future__ import annotations
@@ -15,7 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("launch", "steps", "iopub", "failure", "rss", "gpu", "reporting", "transfer", "scaling")
+SECTIONS = (
+    "launch",
+    "steps",
+    "iopub",
+    "failure",
+    "rss",
+    "gpu",
+    "reporting",
+    "transfer",
+    "scaling",
+    "heavy",
+)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -46,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         failure_rss,
         gpu,
         harness,
+        heavy_import,
         iopub,
         launch_time,
         report,
@@ -87,17 +101,45 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = transfer.run(args.reps, args.smoke, args.world)
             elif name == "scaling":
                 results[name] = scaling.run(args.reps, args.smoke, scratch)
+            elif name == "heavy":
+                results[name] = heavy_import.run(args.reps, args.smoke, args.world, scratch)
             results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
+            results[name]["measured"] = {
+                "reps": args.reps,
+                **{
+                    k: results["machine"][k]
+                    for k in ("date", "git_commit", "load_average_at_start")
+                },
+            }
     finally:
         scratch.close()
     results["total_seconds"] = round(time.monotonic() - started, 1)
     args.out.mkdir(parents=True, exist_ok=True)
+    results = _kept_from_before(results, args.out / "latest.json")
     (args.out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
     table = report.render(results)
     (args.out / "latest.md").write_text(table)
     print(table)
     print(f"[benchmarks] wrote {args.out / 'latest.json'} and latest.md", file=sys.stderr)
     return 0
+
+
+def _kept_from_before(results: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The earlier file's results with the sections just run replaced (a run of a few sections
+    must not drop the others); a smoke run or a missing file keeps nothing."""
+    if results["smoke"] or set(results["sections_run"]) >= set(SECTIONS) or not path.exists():
+        return results
+    try:
+        earlier = json.loads(path.read_text())
+    except ValueError:
+        return results
+    if earlier.get("smoke"):
+        return results
+    merged = {**earlier, **{n: results[n] for n in results["sections_run"] if n in results}}
+    merged["sections_run"] = sorted(
+        set(earlier.get("sections_run", [])) | set(results["sections_run"])
+    )
+    return merged
 
 
 if __name__ == "__main__":

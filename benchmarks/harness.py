@@ -146,7 +146,11 @@ class Scratch:
 
 def launch_cell(contender: str, cfg: dict[str, Any], world: int, kw: str = "") -> str:
     """The cell that launches ``contender``: times the launcher call with the kernel's clock."""
-    call = LAUNCH[contender].format(world=world, kw=kw)
+    return call_cell(LAUNCH[contender].format(world=world, kw=kw), cfg)
+
+
+def call_cell(call: str, cfg: dict[str, Any]) -> str:
+    """The cell that runs ``call`` (a launcher call) with ``_cfg = cfg``, timed by the kernel."""
     # process_time: CPU seconds of every kernel thread (relay, views, zmq) during the call
     return (
         f"_cfg = json.loads({json.dumps(cfg)!r})\n"
@@ -171,12 +175,28 @@ def run_launch(
     timeout: float = 600,
 ) -> dict[str, Any]:
     """Launch once; return the kernel's timings, each rank's record and the cell itself."""
+    call = LAUNCH[contender].format(world=world, kw=kw)
+    return run_call(session, call, cfg, world, scratch, expect_error, on_message, timeout)
+
+
+def run_call(
+    session: Any,
+    call: str,
+    cfg: dict[str, Any],
+    world: int,
+    scratch: Scratch,
+    expect_error: bool = False,
+    on_message: Any = None,
+    timeout: float = 600,
+) -> dict[str, Any]:
+    """Run one launcher ``call`` (``_cfg`` is ``cfg`` with a fresh ``out_dir``); return the
+    kernel's timings, each rank's record and the cell itself."""
     cfg = {**cfg, "out_dir": scratch.new()}
     sent = time.time()
-    cell = session.execute(launch_cell(contender, cfg, world, kw), timeout, on_message)
+    cell = session.execute(call_cell(call, cfg), timeout, on_message)
     done = time.time()
     if cell.error is not None and not expect_error:
-        raise RuntimeError(f"{contender} launch failed:\n{cell.error_text[-3000:]}")
+        raise RuntimeError(f"launch failed ({call[:60]}...):\n{cell.error_text[-3000:]}")
     marks = [line for line in cell.stdout.splitlines() if line.startswith(MARK)]
     times = json.loads(marks[-1][len(MARK) :]) if marks else {}
     return {
@@ -190,10 +210,15 @@ def run_launch(
     }
 
 
-def nbaccel_server_kind(session: Any) -> str:
-    """What nbaccel's fork server in this kernel is ("fork of the kernel", "fresh interpreter")."""
-    cell = session.execute("import nbaccel.launch.forkserver as _fs\nprint(_fs.server_kind())")
-    return cell.stdout.strip() or "unknown"
+def timed_cell(session: Any, code: str) -> float:
+    """Run ``code`` in a cell; its seconds by the kernel's clock (what the person waits for)."""
+    cell = session.execute(
+        f"_t0 = time.time()\n{code}\nprint({MARK!r} + json.dumps({{'s': time.time() - _t0}}))\n"
+    )
+    if cell.error is not None:
+        raise RuntimeError(f"cell failed:\n{cell.error_text[-2000:]}")
+    marks = [line for line in cell.stdout.splitlines() if line.startswith(MARK)]
+    return json.loads(marks[-1][len(MARK) :])["s"]
 
 
 def kernel_cpu_share(run: dict[str, Any]) -> float | None:

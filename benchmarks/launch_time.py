@@ -37,7 +37,6 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
         c: {"first": [], "repeat": [], "cell_first": [], "cell_repeat": [], "errors": []}
         for c in contenders
     }
-    server_kinds: list[str] = []  # what nbaccel's fork server was in each fresh kernel
 
     def launch(session: Any, c: str, kind: str) -> None:
         ranks = 1 if c == "no_launcher" else world
@@ -45,8 +44,6 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
             result = H.run_launch(session, c, cfg, ranks, scratch)
             raw[c][kind].append(H.first_step_latency(result, ranks))
             raw[c]["cell_" + kind].append(result["t1"] - result["t0"])
-            if c == "nbaccel" and kind == "first":
-                server_kinds.append(H.nbaccel_server_kind(session))
         except Exception as exc:  # noqa: BLE001 - one failed launch is reported, not fatal
             raw[c]["errors"].append(f"{kind}: {type(exc).__name__}: {str(exc)[-400:]}")
 
@@ -71,7 +68,6 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
         "steps_per_launch": cfg["steps"],
         "repeats_per_kernel": repeats,
         "fresh_kernel_per_first_launch": not smoke,
-        "nbaccel_server_kinds": sorted(set(server_kinds)),
         "contenders": {},
     }
     for c in CONTENDERS:

@@ -107,6 +107,16 @@ def _gpu_row(name: str, e: dict[str, Any]) -> list[str]:
     return [name, _median(e, "step_s", "{:.5f}"), _num(e.get("vs_autocast_bf16"))]
 
 
+def _later_runs(results: dict[str, Any]) -> dict[str, tuple[list[str], Any]]:
+    """Runs of ``--only`` sections merged into an earlier file: date → (sections, load)."""
+    runs: dict[str, tuple[list[str], Any]] = {}
+    for name, section in results.items():
+        later = section.get("measured") if isinstance(section, dict) else None
+        if later and later["date"] != results["machine"]["date"]:
+            runs.setdefault(later["date"], ([], later.get("load_average_at_start")))[0].append(name)
+    return runs
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["machine"]
     out = [
@@ -118,6 +128,11 @@ def render(results: dict[str, Any]) -> str:
         + (" — SMOKE RUN, numbers meaningless" if results.get("smoke") else "")
         + f". Load average at start: {m.get('load_average_at_start')}. Medians; "
         "`python -m benchmarks` regenerates this file.",
+        *[
+            f"Sections re-measured later ({', '.join(names)}): {date}, load average at start "
+            f"{load}."
+            for date, (names, load) in _later_runs(results).items()
+        ],
     ]
     if s := results.get("launch"):
         out += _section(
@@ -132,8 +147,6 @@ def render(results: dict[str, Any]) -> str:
             ],
             _launch_row,
             after=[
-                "nbaccel's fork server in the fresh kernels: "
-                + (", ".join(s.get("nbaccel_server_kinds") or []) or "–"),
                 f"First launch ÷ Accelerate's: nbaccel {_num(s.get('nbaccel_first_vs_accelerate'))}"
                 f", the floor (no launcher) {_num(s.get('floor_vs_accelerate'))}: no launcher's "
                 "first launch right after the import cell beats the kernel's own first step.",
@@ -188,7 +201,35 @@ def render(results: dict[str, Any]) -> str:
                 before=[f"{s['device']}, {s['model']}"],
             )
     out += render_issue15(results)
+    out += _render_heavy(results.get("heavy"))
     return "\n".join(out) + "\n"
+
+
+def _heavy_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        _median(e, "first_launch_s"),
+        _median(e, "repeat_launch_s"),
+        _median(e, "import_cell_s"),
+    ]
+
+
+def _render_heavy(s: dict[str, Any] | None) -> list[str]:
+    if not s:
+        return []
+    return _section(
+        s,
+        "## 9. A kernel that imported a heavy package: `from transformers import Trainer` before "
+        "the launcher, and in the launched function (s to every rank's first step, lower is "
+        "better)",
+        ["launcher", "first launch right after the import cell", "relaunch", "import cell (s)"],
+        _heavy_row,
+        after=[
+            "nbaccel ÷ Accelerate: first launch "
+            f"{_num(s.get('first_launch_nbaccel_vs_accelerate'))}, relaunch "
+            f"{_num(s.get('repeat_launch_nbaccel_vs_accelerate'))} (goal: relaunch ≤ 1.0)."
+        ],
+    )
 
 
 def _reporting_row(name: str, e: dict[str, Any]) -> list[str]:

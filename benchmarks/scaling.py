@@ -16,7 +16,6 @@ compare within a row.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -58,7 +57,7 @@ def run(reps: int, smoke: bool, scratch: H.Scratch) -> dict[str, Any]:
             for pause in H.rotated([str(p) for p in pauses], rep):
                 try:
                     with H.kernel() as session:  # torch and the workload only
-                        import_s[c].append(_import_cell(session, c))
+                        import_s[c].append(H.timed_cell(session, H.IMPORTS[c]))
                         time.sleep(float(pause))
                         by_pause[c][float(pause)].append(timed(session, c, 2))
                 except Exception as exc:  # noqa: BLE001
@@ -92,18 +91,3 @@ def run(reps: int, smoke: bool, scratch: H.Scratch) -> dict[str, Any]:
             for p, s in entry["fresh_kernel_by_pause"].items()
         }
     return out
-
-
-def _import_cell(session: Any, contender: str) -> float:
-    """Run the contender's import cell in a kernel that has torch; its seconds by the kernel's
-    clock (what the person waits for before the next cell)."""
-    code = (
-        "_t0 = time.time()\n"
-        f"{H.IMPORTS[contender]}\n"
-        f"print({H.MARK!r} + json.dumps({{'s': time.time() - _t0}}), flush=True)\n"
-    )
-    cell = session.execute(code)
-    if cell.error is not None:
-        raise RuntimeError(cell.error_text[-2000:])
-    line = [x for x in cell.stdout.splitlines() if x.startswith(H.MARK)][-1]
-    return float(json.loads(line[len(H.MARK) :])["s"])

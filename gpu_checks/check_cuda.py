@@ -50,35 +50,36 @@ def check_launch_after_cuda_init() -> str:
     return f"{n} rank(s) used CUDA after the parent initialised it (forkserver)"
 
 
-ZYGOTE_CELL = """
+MIRROR_CELL = """
 def report():
     import os, torch
     x = torch.ones(1, device=f"cuda:{int(os.environ['LOCAL_RANK'])}")
     return float(x.sum())
 torch.zeros(1, device="cuda")  # CUDA in the kernel, after (or before) import nbaccel
 import nbaccel.launch.forkserver as _fs
-print(_fs.server_kind(), nbaccel.notebook_launcher(report, num_processes=1, timeout=120))
+first = nbaccel.notebook_launcher(report, num_processes=1, timeout=120)
+_fs.current_mirror().wait()  # the server has imported every package the kernel has
+print(first, nbaccel.notebook_launcher(report, num_processes=1, timeout=120),
+      sorted(n for n, a in _fs.current_mirror().answers.items() if a["cuda"]))
 """
 
 
-def check_kernel_fork_server_and_cuda() -> str:
-    """The fork server is a fork of the kernel only while CUDA is untouched there; either way
-    ranks use the GPU."""
+def check_kernel_cuda_and_the_mirror() -> str:
+    """Ranks use the GPU whatever the kernel did with CUDA before or after ``import nbaccel``,
+    also once the fork server has mirrored the kernel's packages (none loads CUDA there)."""
     from tests.kernel_helpers import KernelSession
 
-    seen = []
-    for startup, kind in (
-        ("import torch, nbaccel", "fork of the kernel"),
-        ("import torch\ntorch.zeros(1, device='cuda')\nimport nbaccel", "fresh interpreter"),
+    for startup in (
+        "import torch, nbaccel",
+        "import torch\ntorch.zeros(1, device='cuda')\nimport nbaccel",
         # is_available() loads CUDA's driver without is_initialized() saying so
-        ("import torch\ntorch.cuda.is_available()\nimport nbaccel", "fresh interpreter"),
+        "import torch\ntorch.cuda.is_available()\nimport nbaccel",
     ):
         with KernelSession(env={"NBACCEL_VIEW": "text"}, startup=startup) as kernel:
-            cell = kernel.execute(ZYGOTE_CELL, timeout=300)
+            cell = kernel.execute(MIRROR_CELL, timeout=300)
             assert cell.error is None, cell.error_text
-            assert f"{kind} 1.0" in cell.stdout, cell.stdout
-            seen.append(kind)
-    return "ranks used CUDA from a " + " and from a ".join(seen)
+            assert "1.0 1.0 []" in cell.stdout, cell.stdout
+    return "ranks used CUDA in 3 kernels, before and after the mirror imported their packages"
 
 
 def check_ddp_nccl() -> str:
@@ -148,7 +149,7 @@ def main() -> int:
     )
     checks = [
         ("launch after cuda init", check_launch_after_cuda_init),
-        ("kernel fork server and cuda", check_kernel_fork_server_and_cuda),
+        ("kernel CUDA and the mirror", check_kernel_cuda_and_the_mirror),
         ("ddp/nccl", check_ddp_nccl),
         ("bf16", lambda: check_autocast("bf16")),
         ("fp16", lambda: check_autocast("fp16")),

@@ -8,10 +8,10 @@
 
 Every public name loads on first use (PEP 562), so ``import nbaccel`` stays quick and a rank
 that imports it never loads the kernel side (launcher, relay, views, IPython, ipywidgets).
-In a notebook kernel ``import nbaccel`` also starts the fork server ranks come from, so the
-first launch is fast too: a fork of the kernel that has torch already (torch is imported first
-if the kernel has not yet, as ``import accelerate`` does), which then imports the modules of the
-first optimizer step in the background. ``NBACCEL_NO_WARMUP=1`` turns that off.
+In a notebook kernel ``import nbaccel`` also starts the fork server ranks come from (a fresh
+interpreter that imports torch and the modules of the first optimizer step in the background,
+and later what the kernel imports), so the first launch is fast too. ``NBACCEL_NO_WARMUP=1``
+turns that off.
 """
 
 from __future__ import annotations
@@ -89,13 +89,12 @@ def _warm_up_in_kernel() -> None:
     if not in_kernel():
         return
     try:
-        # The server is then a fork of this kernel with torch loaded, instead of a fresh
-        # interpreter importing it (about 1 s): the import cell imports torch anyway.
-        import torch  # noqa: F401
+        from IPython import get_ipython
 
-        from nbaccel.launch.forkserver import ensure_server
+        from nbaccel.launch.forkserver import ensure_server, follow_kernel
 
         ensure_server()
+        follow_kernel(get_ipython())
     except Exception:  # noqa: BLE001 - warming up is an optimisation; the launch will retry
         pass
 

@@ -17,7 +17,17 @@ import pytest
 pytestmark = pytest.mark.slow  # the whole benchmark runner, end to end
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("launch", "steps", "iopub", "failure", "rss", "reporting", "transfer", "scaling")
+SECTIONS = (
+    "launch",
+    "steps",
+    "iopub",
+    "failure",
+    "rss",
+    "reporting",
+    "transfer",
+    "scaling",
+    "heavy",
+)
 
 
 def _has_number(entry: dict, keys: tuple[str, ...]) -> bool:
@@ -39,6 +49,7 @@ NUMBER_KEYS = {
     "reporting": ("us_per_call",),
     "transfer": ("argument_s", "result_s"),
     "scaling": ("first_launch_s",),
+    "heavy": ("first_launch_s",),
 }
 
 
@@ -75,5 +86,5 @@ def test_smoke_run_writes_every_section(tmp_path):
     gpu = results["gpu"]
     assert gpu.get("skipped") or gpu.get("contenders")
     table = (tmp_path / "latest.md").read_text()
-    assert "## 1." in table and "## 4b." in table and "## 8." in table
+    assert "## 1." in table and "## 4b." in table and "## 8." in table and "## 9." in table
     assert "## 1." in output  # the table is printed too

@@ -31,8 +31,6 @@ EXCEPTIONS = {
     ("launch", "nbaccel.rank.session_entry"),
     # XLA devices as threads: the kernel names this host process as the ranks' entry point.
     ("launch", "nbaccel.rank.xla"),
-    # The fork server as a fork of the kernel: the kernel hands it this function to run.
-    ("launch", "nbaccel.rank.zygote"),
 }
 
 

@@ -1,19 +1,17 @@
 """The one place that touches CPython's private ``multiprocessing`` state (fork server, tracker).
 
-The standard library offers no public way to ask for the fork server's pid, restart it with
-other preloaded modules, or make a forked child forget the server it came from. Both sides need
-some of that; keeping it here means a CPython change breaks one small file.
+The standard library offers no public way to ask for the fork server's pid (containment sweeps
+by it, the answer watchdog stops it), restart it with other preloaded modules, or make a forked
+child forget the server it came from. Both sides need some of that; keeping it here means a
+CPython change breaks one small file. The private names used: ``forkserver._forkserver`` and
+its ``_forkserver_pid``, ``_forkserver_alive_fd``, ``_forkserver_address``, ``_stop()``, and
+``resource_tracker._resource_tracker._pid``.
 """
 
 from __future__ import annotations
 
 import multiprocessing.forkserver
 import os
-import socket
-import threading
-import warnings
-from collections.abc import Callable
-from multiprocessing import connection, resource_tracker, util
 
 
 def forkserver_pid() -> int | None:
@@ -50,65 +48,6 @@ def start_forkserver(preload: list[str], restart: bool, env: dict[str, str] | No
             else:
                 os.environ[key] = value
     return starting
-
-
-def can_fork_forkserver() -> bool:
-    """Whether :func:`fork_forkserver` knows this Python's fork server (3.10-3.12: no auth key)."""
-    server = multiprocessing.forkserver._forkserver
-    known = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_preload_modules")
-    return all(hasattr(server, a) for a in known) and not hasattr(server, "_forkserver_authkey")
-
-
-def fork_forkserver(serve: Callable[[int, int], object], preload: list[str]) -> int:
-    """Start the fork server as a fork of this process that runs ``serve(listener_fd, alive_r)``
-    (which must end in ``os._exit``), instead of a fresh interpreter; return its pid.
-
-    The kernel's side is what ``ForkServer.ensure_running`` sets up (the listening socket, the
-    "alive" pipe, the resource tracker), so starting ranks is unchanged. ``preload`` is recorded
-    too: should this server die, multiprocessing starts an ordinary one with the same modules.
-    Call only when no server runs (:func:`server_alive`) and :func:`can_fork_forkserver`.
-    """
-    server = multiprocessing.forkserver._forkserver
-    server.set_forkserver_preload(list(preload))
-    # Not under server._lock: a child would inherit it held, and a rank that starts a fork
-    # server of its own would wait on it forever.
-    resource_tracker.ensure_running()
-    if server._forkserver_pid is not None:  # one that died: what ensure_running would do
-        os.waitpid(server._forkserver_pid, os.WNOHANG)
-        os.close(server._forkserver_alive_fd)
-    with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
-        listener.bind(address)
-        if not util.is_abstract_socket_namespace(address):
-            os.chmod(address, 0o600)
-        listener.listen()
-        alive_r, alive_w = os.pipe()
-        try:
-            with warnings.catch_warnings():
-                # Python 3.12+ warns of fork() in a multi-threaded process; the caller has
-                # made sure the child never uses what the other threads own.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                pid = os.fork()
-            if pid == 0:
-                try:
-                    serve(listener.fileno(), alive_r)
-                finally:
-                    os._exit(1)  # never back into the caller's frames
-        except BaseException:
-            os.close(alive_w)
-            raise
-        finally:
-            os.close(alive_r)
-    server._forkserver_address = address
-    server._forkserver_alive_fd = alive_w
-    server._forkserver_pid = pid
-    return pid
-
-
-def reset_forkserver_lock() -> None:
-    """In a process forked without exec: a fresh lock for the fork-server record, in case the
-    fork happened while another thread held it."""
-    multiprocessing.forkserver._forkserver._lock = threading.Lock()
 
 
 def server_alive(pid: int | None) -> bool:

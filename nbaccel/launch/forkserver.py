@@ -1,15 +1,16 @@
-"""The fork server ranks start from: a process that has imported torch once, without the
-kernel's threads or CUDA context, from which ranks fork in milliseconds.
+"""The fork server ranks start from: a fresh interpreter (CPython's fork server) that has
+imported torch once, without the kernel's threads or CUDA context, from which ranks fork in
+milliseconds.
 
-In a notebook kernel that has imported torch (and not initialised CUDA) the server is a fork of
-the kernel made clean (``rank.zygote``): it has torch at once, so even a launch right after the
-import cell finds it nearly ready. Otherwise it is a fresh interpreter that imports torch first.
-``NBACCEL_ZYGOTE=0`` always starts the fresh interpreter.
+In a notebook kernel it starts at ``import nbaccel``, so it is warm by the first launch, and it
+mirrors what the kernel imports (``launch.mirror``): before the ranks of a launch fork, the
+kernel's modules the launched function refers to; after, the rest. From the next launch on every
+rank finds the kernel's packages loaded, without ever sharing the kernel's process state.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -17,26 +18,28 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from nbaccel.core import libc, mp_internals, openmp
-from nbaccel.launch import containment
-from nbaccel.rank import zygote
+from nbaccel.core import mp_internals
+from nbaccel.core.events import RankSpec
+from nbaccel.launch import containment, mirror
 from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
-# first (the server's own group, subreaper, kill its tree at exit), the ready signal last.
+# first (the server's own group, subreaper, kill its tree at exit), then torch, then the
+# launch's own preloads, the mirror (its thread imports what the kernel has) and the ready
+# signal last.
 SERVER_PRELOAD = ("nbaccel.rank.server_guard", "nbaccel.rank.preload")
-SERVER_READY = "nbaccel.rank.server_ready"
+SERVER_LAST = ("nbaccel.rank.mirror", "nbaccel.rank.server_ready")
 ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
-ENV_ZYGOTE = "NBACCEL_ZYGOTE"
-# A fork keeps the kernel's memory of that moment alive (copy-on-write): memory the kernel frees
-# later would stay taken. A kernel that just imported torch holds ~0.3 GiB of its own.
-ZYGOTE_MAX_PRIVATE_BYTES = 1 << 30
+# How often a launch replaces a server that broke while mirroring before it does without.
+MIRROR_ATTEMPTS = 3
 
 _server_lock = threading.Lock()
 _server_modules: tuple[str, ...] = ()
 _ready_marker: str | None = None  # exists while the server started last is still importing
-_server_kind: str | None = None  # "fork of the kernel" or "fresh interpreter", once started
+_mirror: mirror.Mirror | None = None  # the mirror of the server started last, in a kernel
 
 
 def available_start_methods() -> list[str]:
@@ -56,108 +59,94 @@ def resolve_start_method(name: str) -> str:
     return name
 
 
-def ensure_server(extra_modules: tuple[str, ...] = ()) -> None:
-    """Start the fork server (or restart it when it lacks ``extra_modules``); returns at once.
+def ensure_server(extra_modules: tuple[str, ...] = (), restart: bool = False) -> None:
+    """Start the fork server (or restart it when it lacks ``extra_modules``, or ``restart``);
+    returns at once.
 
     The server imports its modules in the background; the first rank start waits for that.
     """
-    global _server_modules, _ready_marker, _server_kind
-    wanted = tuple(dict.fromkeys(SERVER_PRELOAD + tuple(extra_modules) + (SERVER_READY,)))
+    global _server_modules, _ready_marker, _mirror
+    wanted = tuple(dict.fromkeys((*SERVER_PRELOAD, *extra_modules, *SERVER_LAST)))
     # Ctrl-C waits until the server is started (or stopped and restarted): cut in half, the
     # next launch would find multiprocessing's record of it inconsistent.
     with _server_lock, containment.sigint_deferred():
-        restart = not set(wanted) <= set(_server_modules)
-        running = mp_internals.server_alive(mp_internals.forkserver_pid())
-        if restart or not running:
-            _server_modules = wanted
+        restart = restart or not set(wanted) <= set(_server_modules)
+        alive = mp_internals.server_alive(mp_internals.forkserver_pid())
+        if not restart and alive:
+            return
+        if _mirror is not None:
+            _mirror.abandon(died=not alive)
+            _mirror = None
+        _server_modules = wanted
         fd, marker = tempfile.mkstemp(prefix="nbaccel-server-warming-")
         os.close(fd)
-        env = {ENV_READY_FILE: marker}
-        if not running and zygote_unavailable() is None and openmp.release_thread_pools():
-            serve = functools.partial(zygote.serve, preload=list(wanted), env=env)
-            mp_internals.fork_forkserver(serve, list(wanted))
-            started, kind = True, "fork of the kernel"
-        else:
-            started = mp_internals.start_forkserver(list(wanted), restart=restart, env=env)
-            kind = "fresh interpreter"
-        if started:
+        kernel_mirror = mirror.Mirror(mirror.candidates()) if in_kernel() else None
+        env = {ENV_READY_FILE: marker, **(kernel_mirror.env() if kernel_mirror else {})}
+        if mp_internals.start_forkserver(list(wanted), restart=restart, env=env):
             _discard(_ready_marker)
             _ready_marker = marker
-            _server_kind = kind
+            _mirror = kernel_mirror
         else:
             _discard(marker)
+            if kernel_mirror is not None:
+                kernel_mirror.close()
 
 
-def zygote_unavailable() -> str | None:
-    """Why the fork server cannot be a fork of this process now, or ``None`` when it can.
+@contextlib.contextmanager
+def ranks_starting(specs: Sequence[RankSpec], start_method: str) -> Iterator[None]:
+    """Around the forks of a launch's ranks: wait until the server is ready and has imported
+    the kernel's modules the function refers to; afterwards let it mirror the rest.
 
-    >>> zygote_unavailable()  # a doctest run is no notebook kernel
-    'not in a notebook kernel'
+    A server that broke while mirroring (an import loaded CUDA, hung, or killed it) is replaced
+    by a fresh one first, which no longer imports that module. The wait is interruptible: no
+    rank is started yet. Other start methods have no server: nothing to do.
     """
-    if os.environ.get(ENV_ZYGOTE) == "0":
-        return f"{ENV_ZYGOTE}=0"
-    if not in_kernel():
-        return "not in a notebook kernel"
-    if not sys.platform.startswith("linux"):
-        return "not on Linux"
-    if threading.current_thread() is not threading.main_thread():
-        return "not called from the kernel's main thread"
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return "torch is not imported yet (the server imports it itself)"
-    for name in ("cuda", "xpu"):
-        device = getattr(torch, name, None)
-        is_initialized = getattr(device, "is_initialized", None)
-        if is_initialized is not None and is_initialized():
-            return f"{name.upper()} is initialised in the kernel (a fork would inherit it)"
-    if _cuda_driver_loaded():
-        return (
-            "CUDA's driver is loaded in the kernel (torch.cuda.is_available() loads it): "
-            "a fork of the kernel could not use the GPU"
-        )
-    if getattr(getattr(torch, "version", None), "hip", None):
-        return "ROCm builds of torch are not checked with a fork of the kernel"
-    if sys.gettrace() is not None or _monitoring_tools():
-        return "a debugger or tracer is active in the kernel"
-    private = _private_memory()
-    if private > ZYGOTE_MAX_PRIVATE_BYTES:
-        return (
-            f"the kernel holds {private / 2**30:.1f} GiB of its own memory, which a fork of it "
-            "would keep alive after the kernel frees it"
-        )
-    if not isinstance(os.fork, type(os.getpid)):
-        return "os.fork is patched (a debugger's child-process support?)"
-    if not mp_internals.can_fork_forkserver():
-        return "this Python's multiprocessing fork server is not one nbaccel knows"
-    return None
+    held = None
+    try:
+        for attempt in range(MIRROR_ATTEMPTS + 1 if start_method == "forkserver" else 0):
+            wait_until_ready()
+            current = _mirror if _mirror is not None and _mirror.connected() else None
+            if current is None or attempt == MIRROR_ATTEMPTS:
+                break
+            held = current
+            held.hold(mirror.needed(specs))
+            if held.broken is None:
+                break
+            print(
+                f"nbaccel: replacing the fork server ({held.broken}); that module is not "
+                "imported there any more",
+                file=sys.stderr,
+                flush=True,
+            )
+            held = None
+            ensure_server(_launch_preloads(), restart=True)
+        yield
+    finally:  # also after Ctrl-C while waiting: a server left holding would mirror no more
+        if held is not None and held.broken is None:
+            held.go(mirror.candidates())
 
 
-def _cuda_driver_loaded() -> bool:
-    """Whether libcuda is mapped into this process: any CUDA call, ``is_available()`` and
-    ``device_count()`` included, loads and initialises it, and a fork cannot use it after."""
-    return any("libcuda.so" in path for path in libc.loaded_libraries())
+def _launch_preloads() -> tuple[str, ...]:
+    return tuple(m for m in _server_modules if m not in SERVER_PRELOAD + SERVER_LAST)
 
 
-def _monitoring_tools() -> bool:
-    """Whether a debugger or profiler uses ``sys.monitoring`` (Python 3.12+)."""
-    monitoring = getattr(sys, "monitoring", None)
-    if monitoring is None:
-        return False
-    return any(monitoring.get_tool(tool) is not None for tool in range(6))
+def follow_kernel(shell: Any) -> None:
+    """After each cell of IPython ``shell``, offer the fork server what the cell imported."""
+    if _after_cell not in shell.events.callbacks.get("post_run_cell", []):
+        shell.events.register("post_run_cell", _after_cell)
 
 
-def _private_memory() -> int:
-    """Resident memory of this process that no other process shares (Linux: rss - shared)."""
-    import psutil
+def _after_cell(*_: Any) -> None:
+    try:
+        if _mirror is not None:
+            _mirror.offer(mirror.candidates())
+    except Exception:  # noqa: BLE001 - warming is an optimisation; a cell must never fail
+        pass
 
-    info = psutil.Process().memory_info()
-    return info.rss - getattr(info, "shared", 0)
 
-
-def server_kind() -> str | None:
-    """What the fork server started last is: ``"fork of the kernel"``, ``"fresh interpreter"``,
-    or ``None`` before one was started."""
-    return _server_kind
+def current_mirror() -> mirror.Mirror | None:
+    """The mirror of the fork server started last (``None`` outside a kernel)."""
+    return _mirror
 
 
 def wait_until_ready(poll: float = 0.02) -> None:

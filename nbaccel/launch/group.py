@@ -84,16 +84,15 @@ class RankGroup:
     def start(self) -> None:
         """Start every rank; on any failure or Ctrl-C, stop those started and re-raise.
 
-        With the fork server still importing (the first launch after ``import nbaccel``), this
-        first waits for it, interruptibly. Each rank start then runs with Ctrl-C held back, so
+        With the fork server still importing (the first launch after ``import nbaccel``, or
+        the kernel's modules the function uses), this first waits for it, interruptibly. Each rank start then runs with Ctrl-C held back, so
         an interrupt never leaves a rank whose pid the kernel does not know.
         """
         ctx = multiprocessing.get_context(self.start_method)
         try:
-            if self.start_method == "forkserver":
-                forkserver.wait_until_ready()
-            for spec in self.specs:
-                self._start_answered(ctx, spec)
+            with forkserver.ranks_starting(self.specs, self.start_method):
+                for spec in self.specs:
+                    self._start_answered(ctx, spec)
         except KeyboardInterrupt as exc:
             self.stop(grace=0)
             started = len(self.ranks)

@@ -176,7 +176,6 @@ def _raise_short(exc: BaseException) -> None:
 def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
     """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
     __tracebackhide__ = True
-    state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
     group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
     # The view first: the fork server may still be importing torch (the first launch after the
     # import cell), and a cell must not stay blank meanwhile.
@@ -195,6 +194,11 @@ def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[
         if isinstance(exc, KeyboardInterrupt):  # its message says what was stopped
             _raise_short(exc)
         raise
+    # The ranks' clocks start with the ranks: a wait for the fork server (its imports) is no
+    # stall, and a stack request then would kill ranks that have no handler for it yet.
+    started = time.monotonic()
+    for rank_state in state.ranks.values():
+        rank_state.started_at = started
     try:
         return Relay(group, state, view, plan.timeout).run(view_started=True)
     except KeyboardInterrupt:

@@ -141,11 +141,11 @@ class Ranks:
             self._plan = session_plan(self.options, address)
             if self._plan.info.start_method == "forkserver":
                 ensure_server()
-            state = LaunchState(
-                self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
-            )
             self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
             self._group.start()
+            state = LaunchState(  # its clocks start with the ranks (as in launcher.run_plan)
+                self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
+            )
             self._relay = Relay(self._group, state, CellTextView(), None)
             self._relay.register()
             self._connections = accept_ranks(server, self._relay)

@@ -142,9 +142,10 @@ class ThreadHostGroup(RankGroup):
     def start(self) -> None:
         ctx = __import__("multiprocessing").get_context(self.start_method)
         try:
-            if self.start_method == "forkserver":
-                forkserver.wait_until_ready()
-            with containment.sigint_deferred():
+            with (
+                forkserver.ranks_starting(self.specs, self.start_method),
+                containment.sigint_deferred(),
+            ):
                 self._start_host(ctx)
         except BaseException:
             self.stop(grace=0)

@@ -10,7 +10,8 @@ import sys
 from nbaccel.rank.containment import guard_server
 
 
-def _in_fork_server() -> bool:
+def in_fork_server() -> bool:
+    """Whether this import runs inside ``multiprocessing.forkserver.main``'s preloading."""
     frame = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == (
@@ -21,5 +22,5 @@ def _in_fork_server() -> bool:
     return False
 
 
-if _in_fork_server():
+if in_fork_server():
     guard_server()

@@ -30,7 +30,6 @@ PACKAGES = {
     "is_pandas_available": ("pandas",),
     "is_pytest_available": ("pytest",),
     "is_peft_available": ("peft",),
-    "is_rich_available": ("rich",),
     "is_swanlab_available": ("swanlab",),
     "is_tensorboard_available": ("tensorboard", "tensorboardX"),
     "is_timm_available": ("timm",),
@@ -54,6 +53,13 @@ def _package_check(name: str, packages: tuple[str, ...]) -> Callable[[], bool]:
 
 
 globals().update({name: _package_check(name, pkgs) for name, pkgs in PACKAGES.items()})
+
+
+def is_rich_available() -> bool:
+    """Whether rich is installed and ``ACCELERATE_ENABLE_RICH`` is set: Accelerate uses rich's
+    tracebacks and logging only on request, so an installed rich alone says False."""
+    flag = os.environ.get("ACCELERATE_ENABLE_RICH", "").strip().lower()
+    return capabilities.package_available("rich") and flag in ("1", "t", "true", "y", "yes", "on")
 
 
 def is_cuda_available() -> bool:
@@ -150,6 +156,7 @@ def _gpus() -> tuple:
 
 NAMES = (
     *PACKAGES,
+    "is_rich_available",
     "is_cuda_available",
     "is_mps_available",
     "is_xpu_available",

@@ -1,0 +1,88 @@
+"""Section "heavy": the kernel has imported a heavy package (``from transformers import Trainer``,
+before the launcher), and the launched function imports it too, as a Hugging Face notebook does.
+
+For each contender and repetition a fresh kernel imports torch, the workload, transformers'
+Trainer and then the contender, and defines ``train_hf`` in a cell (``from transformers import
+Trainer`` in its body, then the same plain-DDP ``train`` as section 1). It is launched right after
+that import cell (*first launch*) and again ``repeats`` times (*relaunch*), timed as in section 1:
+the kernel's clock just before the launcher call → the last rank's first optimizer step.
+
+Accelerate's ranks are forks of the kernel, so they inherit transformers; nbaccel's come from a
+fresh fork server that mirrors the kernel's imports (the function's first, before the ranks fork).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from benchmarks import harness as H
+
+CONTENDERS = ("nbaccel", "accelerate")
+HEAVY = "from transformers import Trainer"
+DEFINE = (
+    "def train_hf(cfg):\n"
+    "    from transformers import Trainer  # noqa: F401 - what a Trainer notebook's function does\n"
+    "    return W.train(cfg)\n"
+)
+CALL = {
+    "nbaccel": "nbaccel.notebook_launcher(train_hf, args=(_cfg,), num_processes={world})",
+    "accelerate": (
+        "accelerate_launcher(train_hf, args=(_cfg,), num_processes={world}, "
+        "use_port=str(W.free_port()))"
+    ),
+}
+
+
+def unavailable_reason(contender: str) -> str | None:
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed (the dev extra pins it)"
+    return H.unavailable_reason(contender)
+
+
+def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any]:
+    cfg = {"mode": "raw", "steps": 3 if smoke else 10, "warmup": 0}
+    repeats = 1 if smoke else 2
+    reps = 1 if smoke else reps
+    contenders = [c for c in CONTENDERS if unavailable_reason(c) is None]
+    raw: dict[str, dict[str, list]] = {
+        c: {"first": [], "repeat": [], "import_cell": [], "errors": []} for c in contenders
+    }
+    for rep in range(reps):
+        for c in H.rotated(contenders, rep):
+            try:
+                with H.kernel() as session:  # torch and the workload only
+                    cell = f"{HEAVY}\n{H.IMPORTS[c]}\n{DEFINE}"
+                    raw[c]["import_cell"].append(H.timed_cell(session, cell))
+                    for kind in ["first"] + ["repeat"] * repeats:
+                        result = H.run_call(
+                            session, CALL[c].format(world=world), cfg, world, scratch
+                        )
+                        raw[c][kind].append(H.first_step_latency(result, world))
+            except Exception as exc:  # noqa: BLE001 - one failed run is reported, not fatal
+                raw[c]["errors"].append(f"{type(exc).__name__}: {str(exc)[-400:]}")
+    out: dict[str, Any] = {
+        "what": "seconds from the launcher call to the last rank's first optimizer step, in a "
+        f"kernel that ran `{HEAVY}` before the launcher; the function imports it too",
+        "repeats_per_kernel": repeats,
+        "contenders": {},
+    }
+    for c in CONTENDERS:
+        if c not in raw:
+            out["contenders"][c] = {"unavailable": unavailable_reason(c)}
+            continue
+        out["contenders"][c] = {
+            "first_launch_s": H.summary(raw[c]["first"]),
+            "repeat_launch_s": H.summary(raw[c]["repeat"]),
+            "import_cell_s": H.summary(raw[c]["import_cell"]),
+            "errors": raw[c]["errors"],
+        }
+    medians = {
+        c: {k: e.get(k, {}).get("median") for k in ("first_launch_s", "repeat_launch_s")}
+        for c, e in out["contenders"].items()
+    }
+    for key in ("first_launch_s", "repeat_launch_s"):
+        out[key.replace("_s", "_nbaccel_vs_accelerate")] = H.ratio(
+            medians.get("nbaccel", {}).get(key), medians.get("accelerate", {}).get(key)
+        )
+    return out
