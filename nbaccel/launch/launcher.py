@@ -176,6 +176,7 @@ def _raise_short(exc: BaseException) -> None:
 def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
     """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
     __tracebackhide__ = True
+    state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
     group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
     # The view first: the fork server may still be importing torch (the first launch after the
     # import cell), and a cell must not stay blank meanwhile.
