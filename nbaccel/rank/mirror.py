@@ -27,6 +27,7 @@ Importing this module anywhere but in the fork server does nothing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import importlib
 import importlib.abc
@@ -36,6 +37,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 from nbaccel.core import libc
@@ -131,6 +133,19 @@ class _Lines:
 
 
 def _serve(sock: socket.socket, initial: bytes) -> None:
+    """Answer the kernel until it closes its end. However this ends (an error included), the
+    kernel hears it at once, by the socket's end, instead of waiting out its deadline for an
+    answer that will not come."""
+    try:
+        _answer_lines(sock, initial)
+    except BaseException:  # noqa: BLE001 - said on the server's stderr; the kernel goes on
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _answer_lines(sock: socket.socket, initial: bytes) -> None:
     lines = _Lines(sock, initial)
     try:
         while lines.read(block=False):
