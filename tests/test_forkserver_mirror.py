@@ -137,6 +137,12 @@ def test_a_rank_forked_after_mirroring_has_nothing_of_the_kernels_side(hf_kernel
     assert not tqdm_auto.startswith("tqdm.notebook") and not ipython
 
 
+@pytest.mark.xfail(
+    reason="known bug (issue 22, open): after the earlier tests' transformers imports the "
+    "server's mirror thread ends, the server is replaced and this module is never offered to "
+    "the new one; the launches themselves still work",
+    strict=False,
+)
 def test_an_import_the_server_cannot_make_is_skipped(hf_kernel):
     answer = value(
         hf_kernel,
