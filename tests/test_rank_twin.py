@@ -123,3 +123,46 @@ def test_env_none_removes_a_variable_and_values_are_set(kernel):
         """,
     )
     assert value == [("<unset>", "3")] * 2
+
+
+def test_a_cells_functions_have_the_ranks_main_as_their_globals(kernel):
+    """As in the kernel (and in a fork of it), a cell's function runs in ``__main__``: code in
+    the rank that pickles it again by reference finds it there (plain pickle; dill, under
+    ``datasets``' ``map(num_proc=2)``, else pickles every module the cell imported by value)."""
+    value = run(
+        kernel,
+        """
+        import pickle
+
+        def double(v):
+            return 2 * v
+
+        def train():
+            import sys
+            main = sys.modules["__main__"]
+            again = pickle.loads(pickle.dumps(double))  # by reference: __main__.double
+            return globals() is vars(main), again is double, again(21)
+
+        nbaccel.notebook_launcher(train, num_processes=2, return_all=True)
+        """,
+    )
+    assert value == [(True, True, 42)] * 2
+
+
+def test_a_function_pushed_to_persistent_ranks_sees_the_names_their_cells_assign(kernel):
+    value = run(
+        kernel,
+        """
+        def scaled(v):
+            return v * scale   # `scale` exists only on the ranks
+
+        twins = nbaccel.Ranks(num_processes=2, progress=False)
+        try:
+            twins.push(scaled=scaled)
+            out = twins.run("scale = accelerator.process_index + 2\\nscaled(10)")
+        finally:
+            twins.stop()
+        out
+        """,
+    )
+    assert value == [20, 30]

@@ -1,9 +1,22 @@
-"""cloudpickle, keeping the file names of functions sent by value so tracebacks show source.
+"""cloudpickle, keeping the file names of functions sent by value so tracebacks show source, and
+a notebook's globals the rank's ``__main__``.
 
 cloudpickle replaces the file name of every code object it pickles by value with
 "<dynamic-code>" (to make payloads deterministic). A rank's traceback then cannot show the user's
 lines. Here code objects keep their real file name, and the kernel ships the source of notebook
 cells (which exist only in the kernel's ``linecache``) along with the job.
+
+cloudpickle also gives the functions of a cell a fresh globals dict where they are loaded. In
+the kernel their globals are ``__main__``'s; sent :func:`to_ranks`, they are the rank's
+``__main__`` too (:func:`loads`), as in a fork of the kernel. So code in a rank that pickles a
+cell's function again finds it in ``__main__``: ``datasets``' ``map(num_proc=2)`` (dill) pickles
+the function's globals by reference instead of by value, with every module the notebook
+imported (all of an editable-installed package, sockets and stores included).
+
+Example::
+
+    data = to_ranks(train)      # in the kernel
+    train = loads(data)         # in a rank: train.__globals__ is vars(sys.modules["__main__"])
 """
 
 from __future__ import annotations
@@ -11,6 +24,8 @@ from __future__ import annotations
 import io
 import linecache
 import os
+import pickle
+import sys
 import types
 import weakref
 from typing import Any
@@ -19,6 +34,7 @@ import cloudpickle
 
 _code_reduce = getattr(cloudpickle.Pickler, "_dispatch_table", {}).get(types.CodeType)
 _MAX_SOURCE_BYTES = 4 << 20
+_MAIN_GLOBALS = "nbaccel:__main__.__dict__"  # the persistent id of __main__'s globals
 
 
 # Hugging Face objects that hold the process state of where they were made. Made in the kernel,
@@ -82,6 +98,19 @@ def _kernel_state_reduce(obj: Any, key: tuple[str, str]) -> Any:
 
 
 class _Pickler(cloudpickle.Pickler):
+    """``main_by_reference``: pickle ``__main__``'s globals as a reference to the globals of
+    ``__main__`` where the value is loaded (kernel to ranks only: the other way, a value a rank
+    returns would overwrite the notebook's own variables with the rank's copies)."""
+
+    def __init__(self, file: Any, protocol: int, main_by_reference: bool = False) -> None:
+        super().__init__(file, protocol=protocol)
+        self._main_id = id(vars(sys.modules["__main__"])) if main_by_reference else None
+
+    def persistent_id(self, obj: Any) -> Any:
+        # cloudpickle stands one fresh dict in for each globals dict it meets (``globals_ref``).
+        is_main = type(obj) is dict and self._main_id is not None
+        return _MAIN_GLOBALS if is_main and obj is self.globals_ref.get(self._main_id) else None
+
     def reducer_override(self, obj: Any) -> Any:
         if _code_reduce is not None and isinstance(obj, types.CodeType):
             func, args = _code_reduce(obj)[:2]
@@ -95,9 +124,30 @@ class _Pickler(cloudpickle.Pickler):
 
 
 def dumps(value: Any) -> bytes:
+    """Pickle ``value`` for any process (a rank's result or exception for the kernel)."""
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
     return buffer.getvalue()
+
+
+def to_ranks(value: Any) -> bytes:
+    """Pickle ``value`` in the kernel for the ranks, which load it with :func:`loads`."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, cloudpickle.DEFAULT_PROTOCOL, main_by_reference=True).dump(value)
+    return buffer.getvalue()
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        if pid == _MAIN_GLOBALS:
+            return vars(sys.modules["__main__"])
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle what :func:`dumps` or :func:`to_ranks` made; ``__main__``'s globals are this
+    process's ``__main__``."""
+    return _Unpickler(io.BytesIO(data)).load()
 
 
 def notebook_sources() -> dict[str, tuple]:

@@ -24,7 +24,7 @@ Example (what ``plan`` and the rank entry do)::
     packer = shared_tensors.Packer()
     arg_bytes = [packer.dumps(a) for a in args]
     transfer = packer.seal()                 # one block for all ranks; goes into every RankSpec
-    ...                                      # in a rank: cloudpickle.loads(arg_bytes[0])
+    ...                                      # in a rank: pickling.loads(arg_bytes[0])
     payload = shared_tensors.dumps_result(value, transfer, rank=0)
     shared_tensors.release(transfer)         # kernel, after the results were loaded
 """
@@ -170,7 +170,9 @@ def _rebuild_array(
 
 class _Pickler(pickling._Pickler):
     def __init__(self, file: Any, packer: Packer) -> None:
-        super().__init__(file, protocol=pickling.cloudpickle.DEFAULT_PROTOCOL)
+        # A launch's arguments go to the ranks; a rank's result comes back to the kernel.
+        to_ranks = packer._result_path is None
+        super().__init__(file, pickling.cloudpickle.DEFAULT_PROTOCOL, main_by_reference=to_ranks)
         self._packer = packer
 
     def reducer_override(self, obj: Any) -> Any:

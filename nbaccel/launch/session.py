@@ -282,7 +282,7 @@ class Ranks:
         """Call ``function(*args)`` on each rank (cloudpickled); return the values in rank order."""
         __tracebackhide__ = True
         command = Command(
-            cell=0, kind="call", function=pickling.dumps(function), args=pickling.dumps(args)
+            cell=0, kind="call", function=pickling.to_ranks(function), args=pickling.to_ranks(args)
         )
         return [load_payload(d.rank, d.value) for d in self._run(command, ranks, UNSET)]
 
@@ -298,7 +298,7 @@ class Ranks:
         payload = {}
         for name, value in values.items():
             try:
-                payload[name] = pickling.dumps(value)
+                payload[name] = pickling.to_ranks(value)
             except Exception as exc:
                 raise TypeError(
                     f"{name!r} ({type(value).__name__}) cannot be sent to the ranks: {exc}. "

@@ -13,8 +13,6 @@ import signal
 import sys
 from typing import Any
 
-import cloudpickle
-
 from nbaccel.core import events, pickling, processes, proctitle, rendezvous, shared_tensors
 from nbaccel.core.disk_space import OutOfSpaceError
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
@@ -130,9 +128,9 @@ def run_job(
     try:
         if host_store:
             rendezvous.host_rank_store()
-        function = cloudpickle.loads(spec.function)
-        args = [cloudpickle.loads(a) for a in spec.args]
-        kwargs = {k: cloudpickle.loads(v) for k, v in spec.kwargs.items()}
+        function = pickling.loads(spec.function)
+        args = [pickling.loads(a) for a in spec.args]
+        kwargs = {k: pickling.loads(v) for k, v in spec.kwargs.items()}
         value = call(function, args, kwargs)
         if spec.send_result:
             payload = _pickle_return_value(value, spec.rank, spec.transfer)

@@ -68,7 +68,7 @@ def serve(address: str) -> None:
             conn.send_bytes(data)
 
     cell = _Cell()
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    namespace = _main_namespace()
     signal.signal(signal.SIGINT, _on_sigint(cell))
     threading.Thread(
         target=_watch_collectives, args=(cell, rank, send), name="nbaccel-watch", daemon=True
@@ -87,6 +87,19 @@ def serve(address: str) -> None:
             send(done)
         except (BrokenPipeError, OSError):
             return
+
+
+def _main_namespace() -> dict[str, Any]:
+    """The namespace cells run in: ``__main__``'s, as in the kernel, so the functions the kernel
+    pushes (their globals are ``__main__``'s, see ``pickling``) see the names cells assign, and
+    a cell's function pickled again in the rank (``datasets``' ``map(num_proc=)``) is found in
+    ``__main__``. The fork server's own ``-c`` line (it has no ``__file__``) leaves no names."""
+    namespace = vars(sys.modules["__main__"])
+    if "__file__" not in namespace:
+        for name in [k for k in namespace if not k.startswith("__")]:
+            del namespace[name]
+    namespace.setdefault("__builtins__", builtins)
+    return namespace
 
 
 def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int) -> Done:
@@ -157,12 +170,12 @@ def _dispatch(command: Command, namespace: dict[str, Any], done: Done) -> Any:
     if command.kind == "run":
         return run_code(command.code or "", namespace, cell_filename(command.cell))
     if command.kind == "call":
-        function = pickle.loads(command.function)
-        args = pickle.loads(command.args) if command.args else ()
+        function = pickling.loads(command.function)
+        args = pickling.loads(command.args) if command.args else ()
         return function(*args)
     if command.kind == "push":
         for name, data in (command.values or {}).items():
-            namespace[name] = pickle.loads(data)
+            namespace[name] = pickling.loads(data)
         return None
     if command.kind == "pull":
         missing = [n for n in command.names or [] if n not in namespace]

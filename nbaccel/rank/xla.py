@@ -22,7 +22,7 @@ from typing import Any
 
 import cloudpickle
 
-from nbaccel.core import events
+from nbaccel.core import events, pickling
 from nbaccel.core.events import RankSpec
 from nbaccel.rank import entry, exit, reporting, torch_fixes
 
@@ -272,4 +272,4 @@ def _start_then_call(
     from torch_xla._internal import pjrt
 
     pjrt.initialize_multiprocess(local_rank, local_count)
-    return cloudpickle.loads(function)(*args, **kw)
+    return pickling.loads(function)(*args, **kw)
