@@ -112,6 +112,14 @@ class Network:
             found += [int(p) for p in out.stdout.split()]
         return found
 
+    def still_running(self, timeout: float = 10) -> list[str]:
+        """What still runs in these namespaces once ``timeout`` s have passed (``"PID cmdline"``),
+        [] as soon as nothing does: a kernel's fork server ends just after the kernel does."""
+        deadline = time.monotonic() + timeout
+        while (left := self.pids()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [f"{pid} {_cmdline(pid)}" for pid in left]
+
     def listening(self, host: int) -> list[str]:
         """The addresses TCP sockets listen on in ``host`` (``*`` for every interface).
         psutil cannot tell: it reads this namespace's socket table, so ask ``ss`` there."""
@@ -144,3 +152,11 @@ class Network:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"
