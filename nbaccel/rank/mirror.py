@@ -152,7 +152,7 @@ def _answer_lines(sock: socket.socket, initial: bytes) -> None:
             if lines.first:
                 name = lines.first.popleft()
             elif lines.holding:
-                sock.sendall(encode({"held": lines.hold_number}))
+                _send(sock, {"held": lines.hold_number})
                 # until GO (the kernel forks its ranks meanwhile), or a new HOLD from a kernel
                 # that gave up on this one (Ctrl-C)
                 while lines.holding and not lines.first:
@@ -166,11 +166,20 @@ def _answer_lines(sock: socket.socket, initial: bytes) -> None:
                     return
                 continue
             answer = import_one(name)
-            sock.sendall(encode(answer))
+            _send(sock, answer)
             if answer["cuda"]:
                 return  # the kernel replaces this server; importing more would not help
     except (OSError, ValueError):
         return  # the kernel closed its end
+
+
+def _send(sock: socket.socket, answer: dict[str, Any]) -> None:
+    """Send one answer, waiting while the kernel's side is full: the kernel reads answers only
+    when it offers names or holds (not while it runs a cell), and reading left the socket
+    non-blocking, where a full buffer raised and ended the mirror (a kernel with transformers
+    sends thousands of names, so the answers outgrow the buffer before the next launch)."""
+    sock.setblocking(True)
+    sock.sendall(encode(answer))
 
 
 def _before_fork() -> None:

@@ -1,0 +1,49 @@
+"""The fork server's side of the mirror (``rank.mirror``) speaking to a kernel that is busy: run
+in this process over a socket pair, with modules already loaded, so it is quick."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+
+from nbaccel.core.mirror_protocol import GO, HOLD, parse_line
+from nbaccel.rank import mirror
+
+
+def _answers(sock: socket.socket, count: int, timeout: float = 30) -> list[dict]:
+    sock.settimeout(timeout)
+    buffer, answers = b"", []
+    while len(answers) < count:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break  # the server's side ended
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        answers += [parse_line(line) for line in lines]
+    return answers
+
+
+def test_answers_wait_for_a_kernel_that_reads_late_and_a_hold_is_still_answered():
+    # The kernel reads answers only between its cells: thousands of them (a kernel with
+    # transformers) outgrow the socket's buffer. The server must wait, not end its mirror.
+    names = 6000  # each answer is ~80 bytes: several times a Unix socket's buffer
+    kernel, server = socket.socketpair()
+    thread = threading.Thread(
+        target=mirror._serve, args=(server, "\n".join(["json"] * names).encode()), daemon=True
+    )
+    thread.start()
+    try:
+        time.sleep(1.0)  # the kernel runs a cell meanwhile; the server's writes fill up
+        answers = _answers(kernel, names)
+        assert len(answers) == names and all(a["ok"] for a in answers)
+        kernel.sendall(f"{HOLD} 1 json\n".encode())
+        held = _answers(kernel, 2)
+        assert [a.get("name") for a in held] == ["json", None] and held[1] == {"held": 1}
+        kernel.sendall(f"{GO}\nos\n".encode())
+        assert _answers(kernel, 1)[0]["name"] == "os"
+    finally:
+        kernel.close()
+        thread.join(10)
+        gc.unfreeze()  # each import froze this process's objects, as it does in the server
+    assert not thread.is_alive()  # the kernel's end closed: the server's side ends
