@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # Set up everything the test suite needs and run it: the command the README shows and CI runs.
-# Idempotent: a second run reuses the virtual environment in .venv.
+# Idempotent: a second run reuses the virtual environment in .venv, and installs again only when
+# what it was installed from changed (NBACCEL_REINSTALL=1 forces it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade pip
-# constraints.txt pins the CPU build of torch, so no multi-GB CUDA build is pulled.
-.venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+# What .venv was installed from: the package's requirements, the pins and the interpreter. The
+# stamp lives inside .venv, so a missing or deleted venv is always installed from scratch.
+stamp=.venv/.nbaccel-installed-from
+wanted="$(python3 -c 'import sys; print(sys.version)'; sha256sum pyproject.toml constraints.txt)"
+if [ -n "${NBACCEL_REINSTALL:-}" ] || [ ! -x .venv/bin/python ] || [ ! -f "$stamp" ] \
+   || [ "$(cat "$stamp")" != "$wanted" ]; then
+  rm -f "$stamp"  # an install that fails half-way is redone next time
+  python3 -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  # constraints.txt pins torch 2.13.0 (the CPU build where a CPU wheel is what pip finds).
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+  printf '%s\n' "$wanted" >"$stamp"
+else
+  echo "note: .venv is up to date with pyproject.toml and constraints.txt; not reinstalling (NBACCEL_REINSTALL=1 forces it)"
+fi
 
 # The browser test drives Debian's Chromium; install it where we may (root, apt available).
 if [ -n "${NBACCEL_BROWSER_DEPS:-1}" ] && ! command -v chromium >/dev/null 2>&1; then
