@@ -30,6 +30,11 @@ from nbaccel.core.hardware import GPU
 BF16_MIN_CC = (8, 0)
 FP8_MIN_CC = (8, 9)
 
+# How to get DeepSpeed (nbaccel installs from a clone: its extra is `-e '.[deepspeed]'` there).
+DEEPSPEED_INSTALL = (
+    "run `pip install deepspeed` (from nbaccel's clone: `pip install -e '.[deepspeed]'`)"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -126,7 +131,7 @@ def strategy_verdict(strategy: str, precision: str, deepspeed: bool) -> Verdict:
     if not deepspeed:
         return Verdict(
             False,
-            "DeepSpeed is not installed in this Python; run `pip install 'nbaccel[deepspeed]'`, "
+            f"DeepSpeed is not installed in this Python; {DEEPSPEED_INSTALL}, "
             "or choose 'fsdp' for sharded training.",
         )
     if precision == "fp8":

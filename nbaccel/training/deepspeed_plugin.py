@@ -23,6 +23,7 @@ import sys
 import warnings
 from typing import Any
 
+from nbaccel.core import capabilities
 from nbaccel.core import deepspeed_settings as settings
 
 _FIELDS = {  # plugin field -> LaunchConfig field (and so NBACCEL_DEEPSPEED_* variable)
@@ -56,7 +57,7 @@ def import_deepspeed(cpu: bool) -> Any:
     except ImportError as exc:
         raise ImportError(
             f"strategy='deepspeed' needs the deepspeed package, which cannot be imported in "
-            f"{sys.executable} ({exc}). Install it with: pip install 'nbaccel[deepspeed]'"
+            f"{sys.executable} ({exc}): {capabilities.DEEPSPEED_INSTALL}."
         ) from exc
     if cpu and os.environ.get("NBACCEL_DEEPSPEED_SHM_COMM", "") not in ("1", "true"):
         # Only inference_all_reduce uses this op; without it training needs no compiler. (A
