@@ -31,13 +31,13 @@ from torch.utils.data import DataLoader
 
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import reporting
-from nbaccel.training import data, data_compat, deepspeed_dummies
+from nbaccel.training import data, data_compat
 from nbaccel.training.accelerator_options import resolve_options
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.accelerator_saving import Saving
 from nbaccel.training.accelerator_step import TrainingStep
 from nbaccel.training.precision import select_precision
-from nbaccel.training.registry import PreparedObjects, pair_optimizer
+from nbaccel.training.registry import PreparedObjects, Registry
 from nbaccel.training.shared_state import AcceleratorState
 from nbaccel.training.state import DistributedType, GradientState, detect_state
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
@@ -116,7 +116,6 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             dynamo_backend=dynamo_plugin if dynamo_plugin is not None else dynamo_backend,
             log_with=log_with,
         )
-        self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
         strategy = strategy or os.environ.get(ENV_STRATEGY) or "ddp"
         if fsdp_plugin is not None:
             strategy = "fsdp"
@@ -125,17 +124,15 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
         self._strategy.ddp_handler = opts.ddp_handler
-        self._precision = select_precision(
-            opts.mixed_precision, process.device, opts.scaler_handler
+        # An engine that casts and scales itself (DeepSpeed) replaces autocast and the scaler.
+        self._precision = self._strategy.adapt_precision(
+            select_precision(opts.mixed_precision, process.device, opts.scaler_handler)
         )
-        if self._strategy.name == "deepspeed":  # the engine casts and scales, not autocast
-            self._precision = self._strategy.engine_precision(self._precision)
         # A plugin built from the launch config (NBACCEL_FSDP_*/DEEPSPEED_*) is as real as one
         # passed in: Accelerate users read it back from here.
-        if self._strategy.name == "fsdp":
-            self.fsdp_plugin = self._strategy.plugin
-        elif self._strategy.name == "deepspeed":
-            self.deepspeed_plugin = self._strategy.plugin
+        plugins = self._strategy.plugins()
+        self.fsdp_plugin = plugins.get("fsdp_plugin", fsdp_plugin)
+        self.deepspeed_plugin = plugins.get("deepspeed_plugin", deepspeed_plugin)
         self.state = AcceleratorState._from(
             process,
             mixed_precision=self._precision.name,
@@ -161,11 +158,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self.has_lomo_optimizer = False
         self.flag_tensor: torch.Tensor | None = None  # set_trigger/check_trigger
         self.step = 0  # tracker step counter, as in Accelerate
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[PreparedOptimizer] = []
-        self._schedulers: list[PreparedScheduler] = []
-        self._dataloaders: list[data.PreparedDataLoader] = []
-        self._custom_objects: list[Any] = []
+        self._registry = Registry()
         self._save_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
         self._load_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
         self._init_tracking(opts.log_with)
@@ -184,7 +177,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     distributed_type = property(
         lambda self: self.state.distributed_type, doc=DistributedType.__doc__
     )
-    is_fsdp2 = property(lambda self: self._strategy.name == "fsdp")
+    is_fsdp2 = property(lambda self: self._strategy.is_fsdp2)
     mixed_precision = property(lambda self: self._precision.name)
     fp8_enabled = property(lambda self: self._precision.name == "fp8")
     fp8_backend = property(lambda self: "AO" if self._precision.name == "fp8" else None)
@@ -200,6 +193,14 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     non_blocking = property(lambda self: self.dataloader_config.non_blocking)
     use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
     use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+
+    # The registry's lists under Accelerate's private names, which its own test scripts and
+    # ported code reach for (``accelerator._optimizers[0]``).
+    _models = property(lambda self: self._registry.models)
+    _optimizers = property(lambda self: self._registry.optimizers)
+    _schedulers = property(lambda self: self._registry.schedulers)
+    _dataloaders = property(lambda self: self._registry.dataloaders)
+    _custom_objects = property(lambda self: self._registry.custom_objects)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -256,29 +257,10 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"prepare() argument {i} ({type(obj).__name__}) was already prepared; pass "
                     "the original object only once and keep using what prepare() returned."
                 )
-        if self._strategy.name != "deepspeed":
-            deepspeed_dummies.refuse_stand_ins(args)
-        if self._strategy.name == "deepspeed":  # one engine takes model + optimizer + scheduler
-            out = self._strategy.prepare_all(self, list(args), device_placement)
-            return out[0] if len(out) == 1 else tuple(out)
-        out: list[Any] = list(args)
-        # Models first: FSDP replaces parameters, and optimizers must then follow them.
-        order = [torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
-        for kind in order + [(DataLoader, data.PreparedDataLoader)]:
-            for i, obj in enumerate(args):
-                if isinstance(obj, kind):
-                    place = device_placement[i] if device_placement else None
-                    out[i] = self._prepare_one(obj, place)
+        # The strategy decides: one object at a time (through the prepare_* methods below), or
+        # model, optimizer and scheduler into one engine (DeepSpeed).
+        out = self._strategy.prepare(args, device_placement, self, self._registry)
         return out[0] if len(out) == 1 else tuple(out)
-
-    def _prepare_one(self, obj: Any, place: bool | None) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            return self.prepare_model(obj, device_placement=place)
-        if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj, device_placement=place)
-        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            return self.prepare_scheduler(obj)
-        return self.prepare_data_loader(obj, device_placement=place)
 
     def prepare_model(
         self,
@@ -304,7 +286,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             self._precision.autocast_forward(self._strategy.unwrap(wrapped), self.autocast_handler)
         if self.dynamo_backend is not None:
             wrapped = torch.compile(wrapped, backend=self.dynamo_backend)
-        self._models.append(wrapped)
+        self._registry.models.append(wrapped)
         return wrapped
 
     def prepare_optimizer(
@@ -319,7 +301,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         setattr(optimizer, _PREPARED, True)
         inner = self._strategy.setup_optimizer(optimizer)
         opt = PreparedOptimizer(inner, self._precision, self._gs)
-        self._optimizers.append(opt)
+        self._registry.optimizers.append(opt)
         return opt
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
@@ -331,18 +313,19 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             scheduler = accelerator.prepare_scheduler(scheduler)
         """
         setattr(scheduler, _PREPARED, True)
-        opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        prepared = self._registry.optimizers
+        opts = [o for o in prepared if o.optimizer is scheduler.optimizer]
         split = self.split_batches or not self.step_scheduler_with_optimizer
         n = 1 if split else self.num_processes
         sched = PreparedScheduler(
-            scheduler, opts or self._optimizers, self._gs, n, self.step_scheduler_with_optimizer
+            scheduler, opts or prepared, self._gs, n, self.step_scheduler_with_optimizer
         )
-        self._schedulers.append(sched)
+        self._registry.schedulers.append(sched)
         return sched
 
     def prepare_data_loader(
         self,
-        data_loader: DataLoader,
+        data_loader: DataLoader | data.PreparedDataLoader,
         device_placement: bool | None = None,
         slice_fn_for_dispatch: Any = None,
     ) -> data.PreparedDataLoader:
@@ -369,7 +352,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             sync_rng=tuple(self.rng_types),
             non_blocking=cfg.non_blocking,
         )
-        self._dataloaders.append(loader)
+        self._registry.dataloaders.append(loader)
         return loader
 
     def prepared(self) -> PreparedObjects:
@@ -381,16 +364,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             for opt, model in zip(acc.prepared().optimizers, acc.prepared().optimizer_models):
                 print(type(model).__name__, opt)
         """
-        models = list(self._models)
-        return PreparedObjects(
-            models=tuple(models),
-            optimizers=tuple(self._optimizers),
-            optimizer_models=tuple(pair_optimizer(o, models) for o in self._optimizers),
-            schedulers=tuple(self._schedulers),
-            dataloaders=tuple(self._dataloaders),
-            custom_objects=tuple(self._custom_objects),
-            strategy=self._strategy,
-        )
+        return self._registry.view(self._strategy)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict``/``load_state_dict`` in save_state/load_state.
@@ -405,4 +379,4 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"{type(obj).__name__} cannot be checkpointed: it needs state_dict() and "
                     "load_state_dict() methods."
                 )
-            self._custom_objects.append(obj)
+            self._registry.custom_objects.append(obj)

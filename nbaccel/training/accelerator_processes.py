@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from nbaccel.training import ops
+from nbaccel.training.accelerator_parts import ProcessFacts
 
 
-class ProcessControl:
+class ProcessControl(ProcessFacts):
     """Mixed into :class:`nbaccel.Accelerator`; relies on its ``state`` and gradient state."""
 
     # -- collectives ----------------------------------------------------------------------

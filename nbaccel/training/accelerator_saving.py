@@ -19,9 +19,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from nbaccel.training import checkpoint, model_files, utils_extra, xla
+from nbaccel.training.accelerator_parts import AcceleratorParts
 
 
-class Saving:
+class Saving(AcceleratorParts):
     """Mixed into :class:`nbaccel.Accelerator`."""
 
     # -- where things go ------------------------------------------------------------------

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from nbaccel.training import data
+from nbaccel.training.accelerator_parts import AcceleratorParts
 from nbaccel.training.memory import release_memory
 from nbaccel.training.options import AutocastKwargs, ProfileKwargs
 
 
-class TrainingStep:
+class TrainingStep(AcceleratorParts):
     """Mixed into :class:`nbaccel.Accelerator`."""
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -29,17 +30,12 @@ class TrainingStep:
             loss = loss_fn(model(x), y)
             accelerator.backward(loss)   # instead of loss.backward()
         """
-        if not self._models:
+        if not self._registry.models:
             raise RuntimeError(
                 "accelerator.backward() was called before any model was prepared; call "
                 "model, optimizer = accelerator.prepare(model, optimizer) first."
             )
-        if self._strategy.name == "deepspeed":  # the engine scales by 1/steps and steps itself
-            self._strategy.backward(loss, self._gs.sync_gradients, **kwargs)
-            return
-        if self._gs.accumulation_steps > 1:
-            loss = loss / self._gs.accumulation_steps
-        self._precision.backward(loss, **kwargs)
+        self._strategy.backward(loss, self._precision, self._gs, **kwargs)
 
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
         """The mixed-precision context (prepared models already run their forward in it);
@@ -123,8 +119,9 @@ class TrainingStep:
             accelerator.unscale_gradients()
             print(model.weight.grad.norm())   # the true gradient, not the scaled one
         """
+        optimizers: Sequence[Any]
         if optimizer is None:
-            optimizers = self._optimizers
+            optimizers = self._registry.optimizers
         else:
             optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
         for opt in optimizers:
@@ -198,10 +195,10 @@ class TrainingStep:
 
             model, optimizer = accelerator.free_memory(model, optimizer)
         """
-        objects = release_memory(*objects)
-        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        released = release_memory(*objects)
+        self._registry.forget()
         self.step = 0
-        return objects
+        return released
 
     def clear(self, *objects: Any) -> Any:
         """Alias of :meth:`free_memory` (Accelerate's name too)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from nbaccel.core import xla_runtime
 from nbaccel.training import ops
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.state import DistributedType, GradientState, ProcessState, detect_state
+
+_State = TypeVar("_State", bound="PartialState")
 
 
 class _Shared(dict):
@@ -77,7 +79,7 @@ class PartialState(ProcessControl):
         self._gs = GradientState()
 
     @classmethod
-    def _from(cls, process: ProcessState, **extra: Any) -> PartialState:
+    def _from(cls: type[_State], process: ProcessState, **extra: Any) -> _State:
         """The state an Accelerator made; it becomes what later ``PartialState()`` calls see."""
         _SHARED["process"] = process
         _SHARED["distributed_type"] = None  # a new Accelerator: what it runs, not a set value

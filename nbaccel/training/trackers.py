@@ -19,6 +19,7 @@ from typing import Any
 
 from nbaccel.core import capabilities
 from nbaccel.rank import reporting
+from nbaccel.training.accelerator_parts import AcceleratorParts
 from nbaccel.training.options import LoggerType
 from nbaccel.training.state import env_int
 
@@ -303,7 +304,7 @@ def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[Any]:
     return chosen
 
 
-class Tracking:
+class Tracking(AcceleratorParts):
     """Mixed into :class:`nbaccel.Accelerator`: init_trackers, log, get_tracker, end_training."""
 
     def _init_tracking(self, log_with: Any) -> None:

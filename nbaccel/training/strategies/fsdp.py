@@ -36,11 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.state import ProcessState
 from nbaccel.training.strategies.base import Strategy
 
 _FULL = StateDictOptions(full_state_dict=True)
@@ -50,15 +51,21 @@ class FSDPStrategy(Strategy):
     """FSDP2 (``fully_shard``) over all ranks of this launch, configured by a plugin."""
 
     name = "fsdp"
+    is_fsdp2 = True
 
-    def __init__(self, state: Any, plugin: FullyShardedDataParallelPlugin | None = None) -> None:
+    def __init__(
+        self, state: ProcessState, plugin: FullyShardedDataParallelPlugin | None = None
+    ) -> None:
         super().__init__(state)
         self.plugin = plugin if plugin is not None else FullyShardedDataParallelPlugin()
-        self._mesh = None
+        self._mesh: DeviceMesh | None = None
         self._new_params: dict[int, torch.nn.Parameter] = {}
 
+    def plugins(self) -> dict[str, Any]:
+        return {"fsdp_plugin": self.plugin}
+
     @property
-    def sharded_checkpoint(self) -> bool:
+    def collective_checkpoint(self) -> bool:
         """Whether ``save_state`` writes per-rank shards (``SHARDED_STATE_DICT``)."""
         return self.plugin.state_dict_type == "SHARDED_STATE_DICT"
 
@@ -154,7 +161,7 @@ class FSDPStrategy(Strategy):
         set_model_state_dict(module, state, options=_FULL)
 
     def optimizer_state_dict(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         if not isinstance(module, FSDPModule):
             return optimizer.state_dict()
@@ -162,12 +169,31 @@ class FSDPStrategy(Strategy):
         return get_optimizer_state_dict(module, optimizer, options=options)
 
     def load_optimizer_state_dict(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+        self,
+        module: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
     ) -> None:
         if not isinstance(module, FSDPModule):
             optimizer.load_state_dict(state)
             return
         set_optimizer_state_dict(module, optimizer, state, options=_FULL)
+
+    # -- save_state / load_state: full files, or with SHARDED_STATE_DICT a folder per object --
+
+    def save_model(self, module: torch.nn.Module, target: Path) -> dict[str, Any] | None:
+        if not self.collective_checkpoint:
+            return super().save_model(module, target)
+        save_sharded_model(module, target)
+        return None
+
+    def save_optimizer(
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer, target: Path
+    ) -> dict[str, Any] | None:
+        if not self.collective_checkpoint or module is None:
+            return super().save_optimizer(module, optimizer, target)
+        save_sharded_optimizer(module, optimizer, target)
+        return None
 
 
 # -- sharded checkpoints (SHARDED_STATE_DICT): one folder per object, a shard per rank -------
