@@ -36,10 +36,11 @@ from nbaccel.training.accelerator_options import resolve_options
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.accelerator_saving import Saving
 from nbaccel.training.accelerator_step import TrainingStep
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
+from nbaccel.training.process import DistributedType, detect_state
 from nbaccel.training.registry import PreparedObjects, Registry
-from nbaccel.training.shared_state import AcceleratorState
-from nbaccel.training.state import DistributedType, GradientState, detect_state
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
 from nbaccel.training.trackers import Tracking
 

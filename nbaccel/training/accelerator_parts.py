@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbaccel.training.state import GradientState
+from nbaccel.training.accelerator_processes import ProcessFacts
+from nbaccel.training.accumulation import GradientState
 
 if TYPE_CHECKING:
     from nbaccel.training.options import (
@@ -26,35 +27,10 @@ if TYPE_CHECKING:
         ProfileKwargs,
         ProjectConfiguration,
     )
+    from nbaccel.training.partial_state import AcceleratorState
     from nbaccel.training.precision import Precision
     from nbaccel.training.registry import PreparedObjects, Registry
-    from nbaccel.training.shared_state import AcceleratorState, PartialState
     from nbaccel.training.strategies import Strategy
-
-
-class ProcessFacts:
-    """What the process-control methods read: the facts of this rank. ``PartialState`` and the
-    ``Accelerator`` both provide them."""
-
-    _gs: GradientState  # the accumulation state; PartialState has one of its own
-    flag_tensor: torch.Tensor | None  # set_trigger/check_trigger
-
-    if TYPE_CHECKING:
-
-        @property
-        def state(self) -> PartialState: ...
-        @property
-        def device(self) -> torch.device: ...
-        @property
-        def process_index(self) -> int: ...
-        @property
-        def local_process_index(self) -> int: ...
-        @property
-        def num_processes(self) -> int: ...
-        @property
-        def is_main_process(self) -> bool: ...
-        @property
-        def is_local_main_process(self) -> bool: ...
 
 
 class AcceleratorParts(ProcessFacts):

@@ -12,12 +12,44 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nbaccel.training import ops
-from nbaccel.training.accelerator_parts import ProcessFacts
+from nbaccel.training.accumulation import GradientState
+
+if TYPE_CHECKING:
+    from nbaccel.training.process import DistributedType
+
+
+class ProcessFacts:
+    """What the process-control methods read: the facts of this rank. ``PartialState`` and the
+    ``Accelerator`` both provide them."""
+
+    _gs: GradientState  # the accumulation state; PartialState has one of its own
+    flag_tensor: torch.Tensor | None  # set_trigger/check_trigger
+
+    if TYPE_CHECKING:
+
+        @property
+        def state(self) -> ProcessFacts: ...
+        @property
+        def distributed(self) -> bool: ...
+        @property
+        def distributed_type(self) -> DistributedType: ...
+        @property
+        def device(self) -> torch.device: ...
+        @property
+        def process_index(self) -> int: ...
+        @property
+        def local_process_index(self) -> int: ...
+        @property
+        def num_processes(self) -> int: ...
+        @property
+        def is_main_process(self) -> bool: ...
+        @property
+        def is_local_main_process(self) -> bool: ...
 
 
 class ProcessControl(ProcessFacts):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel.training import checkpoint, model_files, utils_extra, xla
+from nbaccel.training import checkpoint, model_files, xla
 from nbaccel.training.accelerator_parts import AcceleratorParts
 
 
@@ -93,7 +93,7 @@ class Saving(AcceleratorParts):
         if self.device.type == "xla":  # xm.save's way: tensors to the CPU, the main one writes
             obj = xla.to_cpu(obj)
         if self.is_main_process:
-            utils_extra.write(obj, f, safe_serialization)
+            model_files.write(obj, f, safe_serialization)
 
     def save_model(
         self,

@@ -33,10 +33,10 @@ import torch
 from nbaccel.core.atomic import atomic_write
 from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space, swap_failed
 from nbaccel.training import ops
+from nbaccel.training.accumulation import GradientState
 from nbaccel.training.file_reading import torch_load
 from nbaccel.training.random import capture_rng_state, restore_rng_state
 from nbaccel.training.registry import PreparedObjects
-from nbaccel.training.state import GradientState
 from nbaccel.training.strategies.base import Strategy, state_file
 
 

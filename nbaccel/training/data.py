@@ -23,10 +23,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from nbaccel.training import iterable, ops, xla
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.process import ProcessState
 from nbaccel.training.random import synchronize_rng_states
 from nbaccel.training.sharding import ShardedBatchSampler
 from nbaccel.training.sharding import plan_epoch as _plan_epoch
-from nbaccel.training.state import GradientState, ProcessState
 
 __all__ = [
     "DataLoaderDispatcher",

@@ -21,7 +21,7 @@ from nbaccel.core import capabilities
 from nbaccel.rank import reporting
 from nbaccel.training.accelerator_parts import AcceleratorParts
 from nbaccel.training.options import LoggerType
-from nbaccel.training.state import env_int
+from nbaccel.training.process import env_int
 
 
 def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:

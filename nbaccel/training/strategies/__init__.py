@@ -6,7 +6,7 @@ that step through the precision and gradient accumulation (``prepared``).
 Adding a strategy means adding one module with a :class:`Strategy` subclass and a line in
 :func:`select_strategy`; the Accelerator only calls the interface.
 
->>> from nbaccel.training.state import detect_state
+>>> from nbaccel.training.process import detect_state
 >>> select_strategy("ddp", detect_state(cpu=True)).name
 'ddp'
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nbaccel.core.config import STRATEGY_CHOICES
-from nbaccel.training.state import ProcessState
+from nbaccel.training.process import ProcessState
 from nbaccel.training.strategies.base import Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer, PreparedScheduler
 

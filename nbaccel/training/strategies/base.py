@@ -7,7 +7,8 @@ state dicts are read and written, and how ``save_state``/``load_state`` store ea
 optimizer. The defaults suit a plain model on one device; a strategy overrides what differs.
 
 >>> import torch
->>> from nbaccel.training.state import GradientState, detect_state
+>>> from nbaccel.training.accumulation import GradientState
+>>> from nbaccel.training.process import detect_state
 >>> from nbaccel.training.precision import Precision
 >>> strategy = Strategy(detect_state(cpu=True))
 >>> loss = torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum()
@@ -25,11 +26,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.training import deepspeed_dummies
+from nbaccel.training.accumulation import GradientState
 from nbaccel.training.data import PreparedDataLoader
 from nbaccel.training.file_reading import torch_load
 from nbaccel.training.precision import Precision
-from nbaccel.training.registry import Registry
-from nbaccel.training.state import GradientState, ProcessState
+from nbaccel.training.process import ProcessState
+from nbaccel.training.strategies.prepared import PreparedOptimizer
 
 
 class Preparer(Protocol):
@@ -51,6 +53,15 @@ class Preparer(Protocol):
     def prepare_data_loader(
         self, data_loader: DataLoader | PreparedDataLoader, device_placement: bool | None = None
     ) -> PreparedDataLoader: ...
+
+
+class Prepared(Protocol):
+    """The lists of what an Accelerator prepared (its ``registry.Registry``) that a strategy
+    preparing several objects at once reads and adds to."""
+
+    models: list[torch.nn.Module]
+    optimizers: list[PreparedOptimizer]
+    dataloaders: list[Any]
 
 
 class Strategy:
@@ -81,7 +92,7 @@ class Strategy:
         objects: Sequence[Any],
         placement: Sequence[bool] | None,
         preparer: Preparer,
-        registry: Registry,
+        registry: Prepared,
     ) -> list[Any]:
         """Prepare ``objects`` (``accelerator.prepare``'s arguments) in place of the originals.
 
@@ -193,9 +204,9 @@ class Strategy:
         """Read what :meth:`save_model` left at ``target`` into ``module``: a full state dict,
         or a sharded folder (any strategy reads those; they reshard on load)."""
         if target.is_dir():
-            from nbaccel.training.strategies import fsdp  # torch.distributed.checkpoint: slow
+            from nbaccel.training.strategies import sharded_files  # imports slowly
 
-            fsdp.load_sharded_model(module, target)
+            sharded_files.load_sharded_model(module, target)
         else:
             self.load_model_state_dict(module, torch_load(state_file(target)))
 
@@ -204,9 +215,9 @@ class Strategy:
     ) -> None:
         """Read what :meth:`save_optimizer` left at ``target`` into ``optimizer``."""
         if target.is_dir() and module is not None:  # sharded: read through its model
-            from nbaccel.training.strategies import fsdp
+            from nbaccel.training.strategies import sharded_files
 
-            fsdp.load_sharded_optimizer(module, optimizer, target)
+            sharded_files.load_sharded_optimizer(module, optimizer, target)
         else:
             self.load_optimizer_state_dict(module, optimizer, torch_load(state_file(target)))
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from nbaccel.training.accumulation import GradientState
 from nbaccel.training.deepspeed_dummies import DummyOptim, DummyScheduler, EngineScheduler
 from nbaccel.training.deepspeed_plugin import (
     DeepSpeedPlugin,
@@ -36,9 +37,8 @@ from nbaccel.training.deepspeed_plugin import (
     join_process_group,
 )
 from nbaccel.training.precision import Precision
-from nbaccel.training.registry import Registry
-from nbaccel.training.state import GradientState, ProcessState
-from nbaccel.training.strategies.base import Preparer, Strategy
+from nbaccel.training.process import ProcessState
+from nbaccel.training.strategies.base import Prepared, Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer
 
 
@@ -98,7 +98,7 @@ class DeepSpeedStrategy(Strategy):
         objects: Sequence[Any],
         placement: Sequence[bool] | None,
         preparer: Preparer,
-        registry: Registry,
+        registry: Prepared,
     ) -> list[Any]:
         """Prepare loaders as usual and model/optimizer/scheduler as one engine, entered in
         ``registry`` like what the one-object paths prepare."""

@@ -17,14 +17,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
@@ -41,8 +39,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
-from nbaccel.training.state import ProcessState
+from nbaccel.training.process import ProcessState
 from nbaccel.training.strategies.base import Strategy
+from nbaccel.training.strategies.sharded_files import save_sharded_model, save_sharded_optimizer
 
 _FULL = StateDictOptions(full_state_dict=True)
 
@@ -194,71 +193,6 @@ class FSDPStrategy(Strategy):
             return super().save_optimizer(module, optimizer, target)
         save_sharded_optimizer(module, optimizer, target)
         return None
-
-
-# -- sharded checkpoints (SHARDED_STATE_DICT): one folder per object, a shard per rank -------
-# Module-level so any strategy can read them: torch.distributed.checkpoint reshards on load, so a
-# folder written by 2 FSDP ranks loads into 1 process, DDP, or a different number of ranks.
-
-
-def save_sharded_model(module: torch.nn.Module, folder: Path) -> None:
-    """Every rank writes its shards of ``module`` into ``folder`` (a collective).
-
-    Example::
-
-        save_sharded_model(model, Path("ckpt/model_0"))
-    """
-    _dcp_save({"model": get_model_state_dict(module)}, folder)
-
-
-def load_sharded_model(module: torch.nn.Module, folder: Path) -> None:
-    """Read a :func:`save_sharded_model` folder into ``module``, on any number of ranks.
-
-    Example::
-
-        load_sharded_model(model, Path("ckpt/model_0"))
-    """
-    state = {"model": get_model_state_dict(module)}
-    _dcp_load(state, folder)
-    set_model_state_dict(module, state["model"])
-
-
-def save_sharded_optimizer(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
-) -> None:
-    """Every rank writes its shard of ``optimizer``'s state, keyed by ``module``'s parameter names.
-
-    Example::
-
-        save_sharded_optimizer(model, opt, Path("ckpt/optimizer_0"))
-    """
-    state = get_optimizer_state_dict(module, optimizer)
-    _dcp_save({"optimizer": state}, folder)
-
-
-def load_sharded_optimizer(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
-) -> None:
-    """Read a :func:`save_sharded_optimizer` folder into ``optimizer`` (paired with ``module``).
-
-    Example::
-
-        load_sharded_optimizer(model, opt, Path("ckpt/optimizer_0"))
-    """
-    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
-    _dcp_load(state, folder)
-    set_optimizer_state_dict(module, optimizer, state["optimizer"])
-
-
-def _dcp_save(state: dict[str, Any], folder: Path) -> None:
-    dcp.save(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-
-
-def _dcp_load(state: dict[str, Any], folder: Path) -> None:
-    with warnings.catch_warnings():
-        # One process without a process group is a supported reader; torch warns regardless.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
 
 
 def _blocks(

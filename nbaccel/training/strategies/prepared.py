@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.training.state import GradientState
+from nbaccel.training.accumulation import GradientState
 
 
 class PreparedOptimizer(torch.optim.Optimizer):

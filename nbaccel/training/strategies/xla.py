@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.training.state import ProcessState
+from nbaccel.training.process import ProcessState
 from nbaccel.training.strategies.base import Strategy
 
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from nbaccel.core import xla_runtime
 from nbaccel.training import ops
 from nbaccel.training.accelerator_processes import ProcessControl
-from nbaccel.training.state import DistributedType, GradientState, ProcessState, detect_state
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.process import DistributedType, ProcessState, detect_state
 
 _State = TypeVar("_State", bound="PartialState")
 
