@@ -1,7 +1,8 @@
 """The Accelerator: one object that makes a training loop run unchanged on 1 or N processes.
 
-It reads the launch settings, then hands each concern to its own module: ``shared_state``
-(ranks, device, process group), ``strategies`` (DDP/FSDP wrapping), ``precision`` (autocast,
+It reads the launch settings, then hands each concern to its own module: ``process`` and
+``partial_state`` (ranks, device, process group), ``strategies`` (DDP/FSDP/DeepSpeed/XLA:
+preparing, backward, clipping, checkpoint files), ``precision`` (autocast,
 scaler), ``data`` (sharded loaders), ``accelerator_processes`` (collectives, process control),
 ``accelerator_step`` (backward, accumulation, clipping), ``accelerator_saving`` (models and
 checkpoints) and ``trackers``. Names, signatures and meanings follow Hugging Face Accelerate

@@ -26,40 +26,20 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nbaccel.core.atomic import atomic_write
 from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space, swap_failed
 from nbaccel.training import ops
-from nbaccel.training.accumulation import GradientState
 from nbaccel.training.file_reading import torch_load
 from nbaccel.training.random import capture_rng_state, restore_rng_state
 from nbaccel.training.registry import PreparedObjects
 from nbaccel.training.strategies.base import Strategy, state_file
 
-
-class Saver(Protocol):
-    """What save_state/load_state read from the Accelerator."""
-
-    @property
-    def is_main_process(self) -> bool: ...
-    @property
-    def process_index(self) -> int: ...
-    @property
-    def num_processes(self) -> int: ...
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None: ...
-    @property
-    def gradient_state(self) -> GradientState: ...
-    def prepared(self) -> PreparedObjects: ...
-    def unwrap_model(
-        self,
-        model: torch.nn.Module,
-        keep_fp32_wrapper: bool = True,
-        keep_torch_compile: bool = True,
-    ) -> Any: ...
+if TYPE_CHECKING:  # the Accelerator, as its saving mixin hands itself over
+    from nbaccel.training.accelerator_parts import AcceleratorParts
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -104,7 +84,9 @@ def _siblings(directory: Path) -> tuple[Path, Path]:
 Hook = Callable[..., None]
 
 
-def save_state(acc: Saver, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()) -> Path:
+def save_state(
+    acc: AcceleratorParts, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()
+) -> Path:
     """Write everything a resumed run needs into ``directory`` (collective: call on every rank),
     calling each of ``hooks`` as ``hook(models, weights, staging_folder)`` before the model files.
     The random states saved are the ones the run goes on with, whatever the hooks drew. A failed
@@ -155,7 +137,7 @@ def _tree_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _hook_models(acc: Saver, prepared: PreparedObjects) -> list[torch.nn.Module]:
+def _hook_models(acc: AcceleratorParts, prepared: PreparedObjects) -> list[torch.nn.Module]:
     """The models as Accelerate's hooks see them (the user's modules without DDP or
     torch.compile; what the strategy says otherwise), in a list of the hooks' own."""
 
@@ -165,7 +147,7 @@ def _hook_models(acc: Saver, prepared: PreparedObjects) -> list[torch.nn.Module]
     return prepared.strategy.models_for_hooks(prepared.models, unwrap)
 
 
-def _write_all(acc: Saver, staging: Path, main: bool, hooks: list[Hook]) -> None:
+def _write_all(acc: AcceleratorParts, staging: Path, main: bool, hooks: list[Hook]) -> None:
     prepared = acc.prepared()
     strategy = prepared.strategy
     weights: list[dict[str, Any]] = []
@@ -200,7 +182,9 @@ def _write_all(acc: Saver, staging: Path, main: bool, hooks: list[Hook]) -> None
         )
 
 
-def load_state(acc: Saver, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()) -> Path:
+def load_state(
+    acc: AcceleratorParts, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()
+) -> Path:
     """Restore what :func:`save_state` wrote, including this rank's RNG states (every rank),
     after calling each of ``hooks`` as ``hook(models, folder)``: the models a hook pops from
     ``models`` it has loaded itself, and are not loaded here."""

@@ -1,6 +1,7 @@
 """Model weight files in Hugging Face's layout: ``model.safetensors`` (or
 ``pytorch_model.bin``), split into shards with a JSON index when larger than ``max_shard_size``,
-tied tensors stored once, and loading them back into a model.
+tied tensors stored once, and loading them back into a model; ``save`` writes any object on
+the main process only (Accelerate's ``accelerate.utils.save``).
 
 >>> import torch, tempfile
 >>> folder = tempfile.mkdtemp()

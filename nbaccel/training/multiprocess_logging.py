@@ -1,4 +1,5 @@
-"""``get_logger``: a logger for training code that runs on every rank, as Accelerate's is.
+"""``get_logger``: a logger for training code that runs on every rank, as Accelerate's is; and
+``tqdm``, a progress bar shown by the local main process only.
 
 By default a record is emitted by the main process only, so N ranks do not print each message N
 times; ``main_process_only=False`` emits it on every rank, and ``in_order=True`` on every rank

@@ -3,6 +3,7 @@
 Every function works unchanged in one process (it returns its input, or a copy) so code written
 for N ranks runs in the kernel too. Nested lists, tuples and dicts of tensors are handled by
 walking them and applying the collective to each tensor in the same order on every rank.
+Also Accelerate's free ``wait_for_everyone`` and ``concatenate`` (joining gathered structures).
 
 >>> import torch
 >>> gather(torch.tensor([1, 2]))            # one process: nothing to gather

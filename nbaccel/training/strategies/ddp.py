@@ -1,7 +1,8 @@
 """The DDP strategy: one full copy of the model per rank, gradients averaged by DDP.
 
 With one process the model is only moved to the device; with several it is wrapped in
-``DistributedDataParallel`` (one GPU per rank on CUDA, gloo on CPU).
+``DistributedDataParallel`` (one GPU per rank on CUDA, gloo on CPU);
+``extract_model_from_parallel`` takes the wrapper off again (Accelerate's free function).
 
 >>> import torch
 >>> from nbaccel.training.process import detect_state
