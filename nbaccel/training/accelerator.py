@@ -139,6 +139,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             process,
             mixed_precision=self._precision.name,
             strategy=self._strategy.name,
+            strategy_type=self._strategy.distributed_type(),
+            is_fsdp2=self._strategy.is_fsdp2,
             fsdp_plugin=self.fsdp_plugin,
             deepspeed_plugin=self.deepspeed_plugin,
         )

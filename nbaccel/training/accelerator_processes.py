@@ -108,7 +108,7 @@ class ProcessControl(ProcessFacts):
                 predictions = accelerator.gather_for_metrics(model(x).argmax(1))
                 labels = accelerator.gather_for_metrics(y)
         """
-        tensors = []
+        tensors: list[torch.Tensor] = []
         ops.recursively_apply(tensors.append, input_data)
         as_objects = use_gather_object or not tensors
         gathered = ops.gather_object(input_data) if as_objects else ops.gather(input_data)

@@ -134,6 +134,8 @@ class AutocastPrecision(Precision):
 class Fp16Precision(AutocastPrecision):
     """fp16: autocast plus a GradScaler, so small gradients do not vanish in half precision."""
 
+    scaler: torch.amp.GradScaler  # always one here (None in the other precisions)
+
     def __init__(self, device: torch.device, scaler_kwargs: Any = None) -> None:
         super().__init__(device, torch.float16, "fp16")
         options = scaler_kwargs.to_kwargs() if scaler_kwargs is not None else {}

@@ -15,7 +15,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from nbaccel.core import capabilities
 from nbaccel.rank import reporting
@@ -57,6 +57,11 @@ class GeneralTracker:
     """
 
     main_process_only = True
+    # What a subclass defines (checked in __init__); declared for the type checker only.
+    name: ClassVar[str]
+    requires_logging_directory: ClassVar[bool]
+    package: ClassVar[str]  # nbaccel's built-in trackers: the package they need installed
+    tracker: Any
 
     def __init__(self, _blank: bool = False) -> None:
         missing = [

@@ -30,7 +30,7 @@ from nbaccel.training.accumulation import GradientState
 from nbaccel.training.data import PreparedDataLoader
 from nbaccel.training.file_reading import torch_load
 from nbaccel.training.precision import Precision
-from nbaccel.training.process import ProcessState
+from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.prepared import PreparedOptimizer
 
 
@@ -79,6 +79,11 @@ class Strategy:
     def adapt_precision(self, precision: Precision) -> Precision:
         """The precision the Accelerator runs with (an engine that casts itself replaces it)."""
         return precision
+
+    def distributed_type(self) -> DistributedType | None:
+        """Accelerate's ``distributed_type`` this strategy makes the run (FSDP, DEEPSPEED), or
+        None where the process's own kind (NO, MULTI_CPU, MULTI_GPU, XLA) stands."""
+        return None
 
     def plugins(self) -> dict[str, Any]:
         """Accelerate's plugin attributes this strategy fills (``fsdp_plugin``...), so a plugin

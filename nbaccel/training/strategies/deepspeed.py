@@ -37,7 +37,7 @@ from nbaccel.training.deepspeed_plugin import (
     join_process_group,
 )
 from nbaccel.training.precision import Precision
-from nbaccel.training.process import ProcessState
+from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.base import Prepared, Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer
 
@@ -80,6 +80,9 @@ class DeepSpeedStrategy(Strategy):
         plain = Precision(precision.device)
         plain.name = precision.name
         return plain
+
+    def distributed_type(self) -> DistributedType | None:
+        return DistributedType.DEEPSPEED  # as Accelerate: on one process too
 
     def plugins(self) -> dict[str, Any]:
         return {"deepspeed_plugin": self.plugin}

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
-from nbaccel.training.process import ProcessState
+from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.sharded_files import save_sharded_model, save_sharded_optimizer
 
@@ -59,6 +59,9 @@ class FSDPStrategy(Strategy):
         self.plugin = plugin if plugin is not None else FullyShardedDataParallelPlugin()
         self._mesh: DeviceMesh | None = None
         self._new_params: dict[int, torch.nn.Parameter] = {}
+
+    def distributed_type(self) -> DistributedType | None:
+        return DistributedType.FSDP if self.state.distributed else None
 
     def plugins(self) -> dict[str, Any]:
         return {"fsdp_plugin": self.plugin}
