@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -38,12 +38,27 @@ from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.accelerator_saving import Saving
 from nbaccel.training.accelerator_step import TrainingStep
 from nbaccel.training.accumulation import GradientState
+from nbaccel.training.options import LoggerType
 from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
 from nbaccel.training.process import DistributedType, detect_state
 from nbaccel.training.registry import PreparedObjects, Registry
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
-from nbaccel.training.trackers import Tracking
+from nbaccel.training.trackers import GeneralTracker, Tracking
+
+if TYPE_CHECKING:
+    from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
+    from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
+    from nbaccel.training.options import (
+        DataLoaderConfiguration,
+        GradientAccumulationPlugin,
+        KwargsHandler,
+        ProjectConfiguration,
+        RNGType,
+    )
+
+# A tracker for ``log_with``: a name ("tensorboard", "all"), a LoggerType, or a tracker object.
+TrackerChoice = str | LoggerType | GeneralTracker
 
 _PREPARED = "_nbaccel_prepared"
 _UNSET: Any = object()  # "not given", so dataloader_config can supply split_batches
@@ -68,22 +83,22 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int | None = None,
         cpu: bool = False,
-        dataloader_config: Any = None,
-        deepspeed_plugin: Any = None,
-        fsdp_plugin: Any = None,
-        torch_tp_plugin: Any = None,
-        megatron_lm_plugin: Any = None,
-        rng_types: list[str] | None = None,
-        log_with: Any = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        torch_tp_plugin: object = None,  # refused below, as the next ones
+        megatron_lm_plugin: object = None,
+        rng_types: list[str | RNGType] | None = None,
+        log_with: TrackerChoice | list[TrackerChoice] | None = None,
         project_dir: str | os.PathLike[str] | None = None,
-        project_config: Any = None,
-        gradient_accumulation_plugin: Any = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
-        kwargs_handlers: list[Any] | None = None,
-        dynamo_backend: Any = None,
-        dynamo_plugin: Any = None,
-        deepspeed_plugins: Any = None,
-        parallelism_config: Any = None,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        dynamo_backend: str | None = None,  # torch.compile's backend name, e.g. "inductor"
+        dynamo_plugin: str | None = None,
+        deepspeed_plugins: object = None,
+        parallelism_config: object = None,
         *,
         even_batches: bool | None = None,
         dispatch_batches: bool | None = None,

@@ -10,7 +10,6 @@ import builtins
 import contextlib
 import functools
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -258,54 +257,6 @@ class ProcessControl(ProcessFacts):
             def report(metrics): print(metrics)
         """
         return _only_if(function, lambda: self.process_index == self.num_processes - 1)
-
-    @contextlib.contextmanager
-    def join_uneven_inputs(
-        self, joinables: list[Any], even_batches: bool | None = None
-    ) -> Iterator[None]:
-        """Let ranks with fewer batches finish while DDP keeps the others going (torch's
-        ``Join``); ``even_batches=False`` turns off evening-out for prepared loaders inside.
-
-        Example::
-
-            with accelerator.join_uneven_inputs([model], even_batches=False):
-                for batch in loader:
-                    ...
-        """
-        if not self.state.distributed:
-            yield
-            return
-        kind = self.state.distributed_type.value
-        if kind not in ("MULTI_CPU", "MULTI_GPU"):
-            warnings.warn(
-                f"join_uneven_inputs is only supported for multi-GPU or multi-CPU (DDP) "
-                f"training; this run is {kind}, so the context does nothing.",
-                UserWarning,
-                stacklevel=3,
-            )
-            yield
-            return
-        from torch.distributed.algorithms.join import Join
-
-        loaders = getattr(self, "_dataloaders", [])
-        saved = [(dl, dl.even_batches) for dl in loaders if dl._sampler is not None]
-        if even_batches is not None and len(saved) < len(loaders):
-            warnings.warn(
-                "join_uneven_inputs(even_batches=...) is only supported for map-style datasets; "
-                "the prepared loaders of iterable datasets keep evening out their last batches.",
-                UserWarning,
-                stacklevel=3,
-            )
-        if even_batches is not None:
-            for dl, _ in saved:
-                dl.even_batches = even_batches
-        even = even_batches if even_batches is not None else self.even_batches
-        try:
-            with Join(joinables, enable=not even, throw_on_early_termination=False):
-                yield
-        finally:
-            for dl, value in saved:
-                dl.even_batches = value
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:

@@ -193,7 +193,7 @@ class Saving(AcceleratorParts):
             accelerator.load_state("checkpoints/step5")   # then continue the loop
         """
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
-            found = _numbered(Path(self.project_dir) / "checkpoints")
+            found = _numbered(self._checkpoints_root())
             if not found:
                 raise FileNotFoundError(
                     f"no checkpoint_<i> folder in {self.project_dir}/checkpoints."
@@ -218,12 +218,15 @@ class Saving(AcceleratorParts):
             )
         return Path(self.project_dir) / "checkpoint"
 
-    def _next_checkpoint_dir(self) -> Path:
+    def _checkpoints_root(self) -> Path:
         if self.project_dir is None:
             raise ValueError(
                 "automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)."
             )
-        root = Path(self.project_dir) / "checkpoints"
+        return Path(self.project_dir) / "checkpoints"
+
+    def _next_checkpoint_dir(self) -> Path:
+        root = self._checkpoints_root()
         target = root / f"checkpoint_{self.save_iteration}"
         if target.exists():
             raise ValueError(

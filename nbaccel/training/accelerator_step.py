@@ -1,5 +1,5 @@
-"""The Accelerator's training-step methods: backward, accumulation, clipping, unscaling,
-autocast, profiling, freeing memory and resuming a loader mid-epoch.
+"""The Accelerator's training-step methods: backward, accumulation, uneven inputs over the
+ranks, clipping, unscaling, autocast, profiling, freeing memory and resuming a loader mid-epoch.
 
 Mixed into :class:`nbaccel.Accelerator`; relies on its strategy, precision and gradient state.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -84,6 +85,54 @@ class TrainingStep(AcceleratorParts):
                 accelerator.backward(loss)   # gradients stay local until the next synced backward
         """
         return self._strategy.no_sync(model)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(
+        self, joinables: list[Any], even_batches: bool | None = None
+    ) -> Iterator[None]:
+        """Let ranks with fewer batches finish while DDP keeps the others going (torch's
+        ``Join``); ``even_batches=False`` turns off evening-out for prepared loaders inside.
+
+        Example::
+
+            with accelerator.join_uneven_inputs([model], even_batches=False):
+                for batch in loader:
+                    ...
+        """
+        if not self.state.distributed:
+            yield
+            return
+        kind = self.state.distributed_type.value
+        if kind not in ("MULTI_CPU", "MULTI_GPU"):
+            warnings.warn(
+                f"join_uneven_inputs is only supported for multi-GPU or multi-CPU (DDP) "
+                f"training; this run is {kind}, so the context does nothing.",
+                UserWarning,
+                stacklevel=3,
+            )
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        loaders = self._registry.dataloaders
+        saved = [(dl, dl.even_batches) for dl in loaders if dl._sampler is not None]
+        if even_batches is not None and len(saved) < len(loaders):
+            warnings.warn(
+                "join_uneven_inputs(even_batches=...) is only supported for map-style datasets; "
+                "the prepared loaders of iterable datasets keep evening out their last batches.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if even_batches is not None:
+            for dl, _ in saved:
+                dl.even_batches = even_batches
+        even = even_batches if even_batches is not None else self.even_batches
+        try:
+            with Join(joinables, enable=not even, throw_on_early_termination=False):
+                yield
+        finally:
+            for dl, value in saved:
+                dl.even_batches = value
 
     @staticmethod
     @contextlib.contextmanager
