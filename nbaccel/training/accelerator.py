@@ -96,7 +96,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: list[KwargsHandler] | None = None,
         dynamo_backend: str | None = None,  # torch.compile's backend name, e.g. "inductor"
-        dynamo_plugin: str | None = None,
+        dynamo_plugin: object = None,  # anything with a ``backend`` name (a TorchDynamoPlugin)
         deepspeed_plugins: object = None,
         parallelism_config: object = None,
         *,
