@@ -202,7 +202,7 @@ def select_precision(name: str, device: torch.device, scaler_kwargs: Any = None)
             f"mixed_precision={name!r} is not supported; choose one of "
             f"{', '.join(map(repr, MIXED_PRECISION_CHOICES))}."
         )
-    gpus = ()
+    gpus: tuple[GPU, ...] = ()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)

@@ -262,7 +262,8 @@ class DeepSpeedStrategy(Strategy):
 
     def save_model(self, module: torch.nn.Module, target: Path) -> dict[str, Any] | None:
         """``engine.save_checkpoint``: every rank writes its shard of weights and optimizer."""
-        module.save_checkpoint(str(target.parent), tag=target.name, save_latest=False)
+        engine: Any = module  # a DeepSpeedEngine (DeepSpeed ships no annotations)
+        engine.save_checkpoint(str(target.parent), tag=target.name, save_latest=False)
         return None
 
     def save_optimizer(
@@ -277,7 +278,8 @@ class DeepSpeedStrategy(Strategy):
                 f"{target} is missing: the checkpoint was not written by a DeepSpeed "
                 "run; resume with the strategy that saved it."
             )
-        path, _ = module.load_checkpoint(str(target.parent), tag=target.name)
+        engine: Any = module
+        path, _ = engine.load_checkpoint(str(target.parent), tag=target.name)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {target}.")
 
