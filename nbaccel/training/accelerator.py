@@ -323,7 +323,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self._registry.optimizers.append(opt)
         return opt
 
-    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+    def prepare_scheduler(
+        self, scheduler: torch.optim.lr_scheduler.LRScheduler
+    ) -> PreparedScheduler:
         """Wrap an LR scheduler so it steps with real optimizer steps (N times per step across
         N processes when ``step_scheduler_with_optimizer``, as Accelerate does).
 

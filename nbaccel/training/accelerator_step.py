@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,9 @@ class TrainingStep(AcceleratorParts):
             )
         self._strategy.backward(loss, self._precision, self._gs, **kwargs)
 
-    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
+    def autocast(
+        self, autocast_handler: AutocastKwargs | None = None
+    ) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context (prepared models already run their forward in it);
         ``AutocastKwargs(enabled=False)`` turns it off for a block.
 
@@ -159,7 +161,9 @@ class TrainingStep(AcceleratorParts):
         finally:
             model.require_backward_grad_sync, model.require_forward_param_sync = old
 
-    def unscale_gradients(self, optimizer: Any = None) -> None:
+    def unscale_gradients(
+        self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
+    ) -> None:
         """Divide fp16 gradients by the loss scale (before inspecting or clipping them).
 
         Example::
@@ -176,7 +180,9 @@ class TrainingStep(AcceleratorParts):
         for opt in optimizers:
             self._precision.unscale_(getattr(opt, "optimizer", opt))
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor | None:
         """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware).
 
         Example::
@@ -190,7 +196,7 @@ class TrainingStep(AcceleratorParts):
         self.unscale_gradients()
         return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16).
 
         Example::
@@ -202,7 +208,9 @@ class TrainingStep(AcceleratorParts):
             torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     @contextlib.contextmanager
-    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
+    def profile(
+        self, profile_handler: ProfileKwargs | None = None
+    ) -> Iterator[torch.profiler.profile]:
         """``torch.profiler.profile`` configured by a ProfileKwargs; with ``output_trace_dir``
         each rank writes ``trace_rank<i>.json`` (Chrome trace) when the block ends.
 
