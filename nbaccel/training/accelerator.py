@@ -304,7 +304,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             # On the user's module, not the wrapper: unwrap_model() keeps it, as in Accelerate.
             self._precision.autocast_forward(self._strategy.unwrap(wrapped), self.autocast_handler)
         if self.dynamo_backend is not None:
-            wrapped = torch.compile(wrapped, backend=self.dynamo_backend)
+            compiled = torch.compile(wrapped, backend=self.dynamo_backend)
+            assert isinstance(compiled, torch.nn.Module)  # a module compiles to a module
+            wrapped = compiled
         self._registry.models.append(wrapped)
         return wrapped
 
