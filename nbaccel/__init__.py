@@ -39,9 +39,9 @@ _LAZY = {
     "DeepSpeedPlugin": "nbaccel.training.deepspeed_plugin",
     "set_seed": "nbaccel.training.random",
     # Accelerate's top-level names (more under nbaccel.utils, its accelerate.utils).
-    "PartialState": "nbaccel.training.shared_state",
-    "AcceleratorState": "nbaccel.training.shared_state",
-    "DistributedType": "nbaccel.training.state",
+    "PartialState": "nbaccel.training.partial_state",
+    "AcceleratorState": "nbaccel.training.partial_state",
+    "DistributedType": "nbaccel.training.process",
     "DataLoaderConfiguration": "nbaccel.training.options",
     "ProjectConfiguration": "nbaccel.training.options",
     "DistributedDataParallelKwargs": "nbaccel.training.options",

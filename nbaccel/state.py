@@ -1,5 +1,5 @@
 """Accelerate's ``accelerate.state`` path: ``PartialState``, ``AcceleratorState`` and
-``DistributedType`` (see :mod:`nbaccel.training.shared_state`), and ``GradientState``: each
+``DistributedType`` (see :mod:`nbaccel.training.partial_state`), and ``GradientState``: each
 Accelerator has its own, ``accelerator.gradient_state``.
 
 >>> from nbaccel.state import DistributedType, PartialState
@@ -7,7 +7,8 @@ Accelerator has its own, ``accelerator.gradient_state``.
 'MULTI_CPU'
 """
 
-from nbaccel.training.shared_state import AcceleratorState, PartialState
-from nbaccel.training.state import DistributedType, GradientState
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.partial_state import AcceleratorState, PartialState
+from nbaccel.training.process import DistributedType
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

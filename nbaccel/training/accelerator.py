@@ -1,7 +1,8 @@
 """The Accelerator: one object that makes a training loop run unchanged on 1 or N processes.
 
-It reads the launch settings, then hands each concern to its own module: ``shared_state``
-(ranks, device, process group), ``strategies`` (DDP/FSDP wrapping), ``precision`` (autocast,
+It reads the launch settings, then hands each concern to its own module: ``process`` and
+``partial_state`` (ranks, device, process group), ``strategies`` (DDP/FSDP/DeepSpeed/XLA:
+preparing, backward, clipping, checkpoint files), ``precision`` (autocast,
 scaler), ``data`` (sharded loaders), ``accelerator_processes`` (collectives, process control),
 ``accelerator_step`` (backward, accumulation, clipping), ``accelerator_saving`` (models and
 checkpoints) and ``trackers``. Names, signatures and meanings follow Hugging Face Accelerate
@@ -24,24 +25,40 @@ from __future__ import annotations
 
 import collections
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import reporting
-from nbaccel.training import data, data_compat, deepspeed_dummies
+from nbaccel.training import data, data_compat
 from nbaccel.training.accelerator_options import resolve_options
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.accelerator_saving import Saving
 from nbaccel.training.accelerator_step import TrainingStep
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.options import LoggerType
+from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
-from nbaccel.training.registry import PreparedObjects, pair_optimizer
-from nbaccel.training.shared_state import AcceleratorState
-from nbaccel.training.state import DistributedType, GradientState, detect_state
+from nbaccel.training.process import DistributedType, detect_state
+from nbaccel.training.registry import PreparedObjects, Registry
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
-from nbaccel.training.trackers import Tracking
+from nbaccel.training.trackers import GeneralTracker, Tracking
+
+if TYPE_CHECKING:
+    from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
+    from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
+    from nbaccel.training.options import (
+        DataLoaderConfiguration,
+        GradientAccumulationPlugin,
+        KwargsHandler,
+        ProjectConfiguration,
+        RNGType,
+    )
+
+# A tracker for ``log_with``: a name ("tensorboard", "all"), a LoggerType, or a tracker object.
+TrackerChoice = str | LoggerType | GeneralTracker
 
 _PREPARED = "_nbaccel_prepared"
 _UNSET: Any = object()  # "not given", so dataloader_config can supply split_batches
@@ -66,22 +83,22 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int | None = None,
         cpu: bool = False,
-        dataloader_config: Any = None,
-        deepspeed_plugin: Any = None,
-        fsdp_plugin: Any = None,
-        torch_tp_plugin: Any = None,
-        megatron_lm_plugin: Any = None,
-        rng_types: list[str] | None = None,
-        log_with: Any = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        torch_tp_plugin: object = None,  # refused below, as the next ones
+        megatron_lm_plugin: object = None,
+        rng_types: list[str | RNGType] | None = None,
+        log_with: TrackerChoice | list[TrackerChoice] | None = None,
         project_dir: str | os.PathLike[str] | None = None,
-        project_config: Any = None,
-        gradient_accumulation_plugin: Any = None,
+        project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
-        kwargs_handlers: list[Any] | None = None,
-        dynamo_backend: Any = None,
-        dynamo_plugin: Any = None,
-        deepspeed_plugins: Any = None,
-        parallelism_config: Any = None,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        dynamo_backend: str | None = None,  # torch.compile's backend name, e.g. "inductor"
+        dynamo_plugin: object = None,  # anything with a ``backend`` name (a TorchDynamoPlugin)
+        deepspeed_plugins: object = None,
+        parallelism_config: object = None,
         *,
         even_batches: bool | None = None,
         dispatch_batches: bool | None = None,
@@ -116,7 +133,6 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             dynamo_backend=dynamo_plugin if dynamo_plugin is not None else dynamo_backend,
             log_with=log_with,
         )
-        self.fsdp_plugin, self.deepspeed_plugin = fsdp_plugin, deepspeed_plugin
         strategy = strategy or os.environ.get(ENV_STRATEGY) or "ddp"
         if fsdp_plugin is not None:
             strategy = "fsdp"
@@ -125,21 +141,21 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
         self._strategy.ddp_handler = opts.ddp_handler
-        self._precision = select_precision(
-            opts.mixed_precision, process.device, opts.scaler_handler
+        # An engine that casts and scales itself (DeepSpeed) replaces autocast and the scaler.
+        self._precision = self._strategy.adapt_precision(
+            select_precision(opts.mixed_precision, process.device, opts.scaler_handler)
         )
-        if self._strategy.name == "deepspeed":  # the engine casts and scales, not autocast
-            self._precision = self._strategy.engine_precision(self._precision)
         # A plugin built from the launch config (NBACCEL_FSDP_*/DEEPSPEED_*) is as real as one
         # passed in: Accelerate users read it back from here.
-        if self._strategy.name == "fsdp":
-            self.fsdp_plugin = self._strategy.plugin
-        elif self._strategy.name == "deepspeed":
-            self.deepspeed_plugin = self._strategy.plugin
+        plugins = self._strategy.plugins()
+        self.fsdp_plugin = plugins.get("fsdp_plugin", fsdp_plugin)
+        self.deepspeed_plugin = plugins.get("deepspeed_plugin", deepspeed_plugin)
         self.state = AcceleratorState._from(
             process,
             mixed_precision=self._precision.name,
             strategy=self._strategy.name,
+            strategy_type=self._strategy.distributed_type(),
+            is_fsdp2=self._strategy.is_fsdp2,
             fsdp_plugin=self.fsdp_plugin,
             deepspeed_plugin=self.deepspeed_plugin,
         )
@@ -161,11 +177,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self.has_lomo_optimizer = False
         self.flag_tensor: torch.Tensor | None = None  # set_trigger/check_trigger
         self.step = 0  # tracker step counter, as in Accelerate
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[PreparedOptimizer] = []
-        self._schedulers: list[PreparedScheduler] = []
-        self._dataloaders: list[data.PreparedDataLoader] = []
-        self._custom_objects: list[Any] = []
+        self._registry = Registry()
         self._save_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
         self._load_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
         self._init_tracking(opts.log_with)
@@ -184,7 +196,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     distributed_type = property(
         lambda self: self.state.distributed_type, doc=DistributedType.__doc__
     )
-    is_fsdp2 = property(lambda self: self._strategy.name == "fsdp")
+    is_fsdp2 = property(lambda self: self._strategy.is_fsdp2)
     mixed_precision = property(lambda self: self._precision.name)
     fp8_enabled = property(lambda self: self._precision.name == "fp8")
     fp8_backend = property(lambda self: "AO" if self._precision.name == "fp8" else None)
@@ -200,6 +212,14 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     non_blocking = property(lambda self: self.dataloader_config.non_blocking)
     use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)
     use_stateful_dataloader = property(lambda self: self.dataloader_config.use_stateful_dataloader)
+
+    # The registry's lists under Accelerate's private names, which its own test scripts and
+    # ported code reach for (``accelerator._optimizers[0]``).
+    _models = property(lambda self: self._registry.models)
+    _optimizers = property(lambda self: self._registry.optimizers)
+    _schedulers = property(lambda self: self._registry.schedulers)
+    _dataloaders = property(lambda self: self._registry.dataloaders)
+    _custom_objects = property(lambda self: self._registry.custom_objects)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -256,29 +276,10 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"prepare() argument {i} ({type(obj).__name__}) was already prepared; pass "
                     "the original object only once and keep using what prepare() returned."
                 )
-        if self._strategy.name != "deepspeed":
-            deepspeed_dummies.refuse_stand_ins(args)
-        if self._strategy.name == "deepspeed":  # one engine takes model + optimizer + scheduler
-            out = self._strategy.prepare_all(self, list(args), device_placement)
-            return out[0] if len(out) == 1 else tuple(out)
-        out: list[Any] = list(args)
-        # Models first: FSDP replaces parameters, and optimizers must then follow them.
-        order = [torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
-        for kind in order + [(DataLoader, data.PreparedDataLoader)]:
-            for i, obj in enumerate(args):
-                if isinstance(obj, kind):
-                    place = device_placement[i] if device_placement else None
-                    out[i] = self._prepare_one(obj, place)
+        # The strategy decides: one object at a time (through the prepare_* methods below), or
+        # model, optimizer and scheduler into one engine (DeepSpeed).
+        out = self._strategy.prepare(args, device_placement, self, self._registry)
         return out[0] if len(out) == 1 else tuple(out)
-
-    def _prepare_one(self, obj: Any, place: bool | None) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            return self.prepare_model(obj, device_placement=place)
-        if isinstance(obj, torch.optim.Optimizer):
-            return self.prepare_optimizer(obj, device_placement=place)
-        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            return self.prepare_scheduler(obj)
-        return self.prepare_data_loader(obj, device_placement=place)
 
     def prepare_model(
         self,
@@ -303,8 +304,10 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             # On the user's module, not the wrapper: unwrap_model() keeps it, as in Accelerate.
             self._precision.autocast_forward(self._strategy.unwrap(wrapped), self.autocast_handler)
         if self.dynamo_backend is not None:
-            wrapped = torch.compile(wrapped, backend=self.dynamo_backend)
-        self._models.append(wrapped)
+            compiled = torch.compile(wrapped, backend=self.dynamo_backend)
+            assert isinstance(compiled, torch.nn.Module)  # a module compiles to a module
+            wrapped = compiled
+        self._registry.models.append(wrapped)
         return wrapped
 
     def prepare_optimizer(
@@ -319,10 +322,12 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         setattr(optimizer, _PREPARED, True)
         inner = self._strategy.setup_optimizer(optimizer)
         opt = PreparedOptimizer(inner, self._precision, self._gs)
-        self._optimizers.append(opt)
+        self._registry.optimizers.append(opt)
         return opt
 
-    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+    def prepare_scheduler(
+        self, scheduler: torch.optim.lr_scheduler.LRScheduler
+    ) -> PreparedScheduler:
         """Wrap an LR scheduler so it steps with real optimizer steps (N times per step across
         N processes when ``step_scheduler_with_optimizer``, as Accelerate does).
 
@@ -331,18 +336,19 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             scheduler = accelerator.prepare_scheduler(scheduler)
         """
         setattr(scheduler, _PREPARED, True)
-        opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer]
+        prepared = self._registry.optimizers
+        opts = [o for o in prepared if o.optimizer is scheduler.optimizer]
         split = self.split_batches or not self.step_scheduler_with_optimizer
         n = 1 if split else self.num_processes
         sched = PreparedScheduler(
-            scheduler, opts or self._optimizers, self._gs, n, self.step_scheduler_with_optimizer
+            scheduler, opts or prepared, self._gs, n, self.step_scheduler_with_optimizer
         )
-        self._schedulers.append(sched)
+        self._registry.schedulers.append(sched)
         return sched
 
     def prepare_data_loader(
         self,
-        data_loader: DataLoader,
+        data_loader: DataLoader | data.PreparedDataLoader,
         device_placement: bool | None = None,
         slice_fn_for_dispatch: Any = None,
     ) -> data.PreparedDataLoader:
@@ -369,7 +375,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             sync_rng=tuple(self.rng_types),
             non_blocking=cfg.non_blocking,
         )
-        self._dataloaders.append(loader)
+        self._registry.dataloaders.append(loader)
         return loader
 
     def prepared(self) -> PreparedObjects:
@@ -381,16 +387,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             for opt, model in zip(acc.prepared().optimizers, acc.prepared().optimizer_models):
                 print(type(model).__name__, opt)
         """
-        models = list(self._models)
-        return PreparedObjects(
-            models=tuple(models),
-            optimizers=tuple(self._optimizers),
-            optimizer_models=tuple(pair_optimizer(o, models) for o in self._optimizers),
-            schedulers=tuple(self._schedulers),
-            dataloaders=tuple(self._dataloaders),
-            custom_objects=tuple(self._custom_objects),
-            strategy=self._strategy,
-        )
+        return self._registry.view(self._strategy)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict``/``load_state_dict`` in save_state/load_state.
@@ -405,4 +402,4 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"{type(obj).__name__} cannot be checkpointed: it needs state_dict() and "
                     "load_state_dict() methods."
                 )
-            self._custom_objects.append(obj)
+            self._registry.custom_objects.append(obj)

@@ -10,16 +10,48 @@ import builtins
 import contextlib
 import functools
 import sys
-import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nbaccel.training import ops
+from nbaccel.training.accumulation import GradientState
+
+if TYPE_CHECKING:
+    from nbaccel.training.process import DistributedType
 
 
-class ProcessControl:
+class ProcessFacts:
+    """What the process-control methods read: the facts of this rank. ``PartialState`` and the
+    ``Accelerator`` both provide them."""
+
+    _gs: GradientState  # the accumulation state; PartialState has one of its own
+    flag_tensor: torch.Tensor | None  # set_trigger/check_trigger
+
+    if TYPE_CHECKING:
+
+        @property
+        def state(self) -> ProcessFacts: ...
+        @property
+        def distributed(self) -> bool: ...
+        @property
+        def distributed_type(self) -> DistributedType: ...
+        @property
+        def device(self) -> torch.device: ...
+        @property
+        def process_index(self) -> int: ...
+        @property
+        def local_process_index(self) -> int: ...
+        @property
+        def num_processes(self) -> int: ...
+        @property
+        def is_main_process(self) -> bool: ...
+        @property
+        def is_local_main_process(self) -> bool: ...
+
+
+class ProcessControl(ProcessFacts):
     """Mixed into :class:`nbaccel.Accelerator`; relies on its ``state`` and gradient state."""
 
     # -- collectives ----------------------------------------------------------------------
@@ -75,7 +107,7 @@ class ProcessControl:
                 predictions = accelerator.gather_for_metrics(model(x).argmax(1))
                 labels = accelerator.gather_for_metrics(y)
         """
-        tensors = []
+        tensors: list[torch.Tensor] = []
         ops.recursively_apply(tensors.append, input_data)
         as_objects = use_gather_object or not tensors
         gathered = ops.gather_object(input_data) if as_objects else ops.gather(input_data)
@@ -225,54 +257,6 @@ class ProcessControl:
             def report(metrics): print(metrics)
         """
         return _only_if(function, lambda: self.process_index == self.num_processes - 1)
-
-    @contextlib.contextmanager
-    def join_uneven_inputs(
-        self, joinables: list[Any], even_batches: bool | None = None
-    ) -> Iterator[None]:
-        """Let ranks with fewer batches finish while DDP keeps the others going (torch's
-        ``Join``); ``even_batches=False`` turns off evening-out for prepared loaders inside.
-
-        Example::
-
-            with accelerator.join_uneven_inputs([model], even_batches=False):
-                for batch in loader:
-                    ...
-        """
-        if not self.state.distributed:
-            yield
-            return
-        kind = self.state.distributed_type.value
-        if kind not in ("MULTI_CPU", "MULTI_GPU"):
-            warnings.warn(
-                f"join_uneven_inputs is only supported for multi-GPU or multi-CPU (DDP) "
-                f"training; this run is {kind}, so the context does nothing.",
-                UserWarning,
-                stacklevel=3,
-            )
-            yield
-            return
-        from torch.distributed.algorithms.join import Join
-
-        loaders = getattr(self, "_dataloaders", [])
-        saved = [(dl, dl.even_batches) for dl in loaders if dl._sampler is not None]
-        if even_batches is not None and len(saved) < len(loaders):
-            warnings.warn(
-                "join_uneven_inputs(even_batches=...) is only supported for map-style datasets; "
-                "the prepared loaders of iterable datasets keep evening out their last batches.",
-                UserWarning,
-                stacklevel=3,
-            )
-        if even_batches is not None:
-            for dl, _ in saved:
-                dl.even_batches = even_batches
-        even = even_batches if even_batches is not None else self.even_batches
-        try:
-            with Join(joinables, enable=not even, throw_on_early_termination=False):
-                yield
-        finally:
-            for dl, value in saved:
-                dl.even_batches = value
 
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from nbaccel.training import checkpoint, model_files, utils_extra, xla
+from nbaccel.training import checkpoint, model_files, xla
+from nbaccel.training.accelerator_parts import AcceleratorParts
 
 
-class Saving:
+class Saving(AcceleratorParts):
     """Mixed into :class:`nbaccel.Accelerator`."""
 
     # -- where things go ------------------------------------------------------------------
@@ -92,7 +93,7 @@ class Saving:
         if self.device.type == "xla":  # xm.save's way: tensors to the CPU, the main one writes
             obj = xla.to_cpu(obj)
         if self.is_main_process:
-            utils_extra.write(obj, f, safe_serialization)
+            model_files.write(obj, f, safe_serialization)
 
     def save_model(
         self,
@@ -192,7 +193,7 @@ class Saving:
             accelerator.load_state("checkpoints/step5")   # then continue the loop
         """
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
-            found = _numbered(Path(self.project_dir) / "checkpoints")
+            found = _numbered(self._checkpoints_root())
             if not found:
                 raise FileNotFoundError(
                     f"no checkpoint_<i> folder in {self.project_dir}/checkpoints."
@@ -217,12 +218,15 @@ class Saving:
             )
         return Path(self.project_dir) / "checkpoint"
 
-    def _next_checkpoint_dir(self) -> Path:
+    def _checkpoints_root(self) -> Path:
         if self.project_dir is None:
             raise ValueError(
                 "automatic_checkpoint_naming needs ProjectConfiguration(project_dir=...)."
             )
-        root = Path(self.project_dir) / "checkpoints"
+        return Path(self.project_dir) / "checkpoints"
+
+    def _next_checkpoint_dir(self) -> Path:
+        root = self._checkpoints_root()
         target = root / f"checkpoint_{self.save_iteration}"
         if target.exists():
             raise ValueError(

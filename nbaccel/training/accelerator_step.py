@@ -1,5 +1,5 @@
-"""The Accelerator's training-step methods: backward, accumulation, clipping, unscaling,
-autocast, profiling, freeing memory and resuming a loader mid-epoch.
+"""The Accelerator's training-step methods: backward, accumulation, uneven inputs over the
+ranks, clipping, unscaling, autocast, profiling, freeing memory and resuming a loader mid-epoch.
 
 Mixed into :class:`nbaccel.Accelerator`; relies on its strategy, precision and gradient state.
 """
@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from nbaccel.training import data
+from nbaccel.training.accelerator_parts import AcceleratorParts
 from nbaccel.training.memory import release_memory
 from nbaccel.training.options import AutocastKwargs, ProfileKwargs
 
 
-class TrainingStep:
+class TrainingStep(AcceleratorParts):
     """Mixed into :class:`nbaccel.Accelerator`."""
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -29,19 +31,16 @@ class TrainingStep:
             loss = loss_fn(model(x), y)
             accelerator.backward(loss)   # instead of loss.backward()
         """
-        if not self._models:
+        if not self._registry.models:
             raise RuntimeError(
                 "accelerator.backward() was called before any model was prepared; call "
                 "model, optimizer = accelerator.prepare(model, optimizer) first."
             )
-        if self._strategy.name == "deepspeed":  # the engine scales by 1/steps and steps itself
-            self._strategy.backward(loss, self._gs.sync_gradients, **kwargs)
-            return
-        if self._gs.accumulation_steps > 1:
-            loss = loss / self._gs.accumulation_steps
-        self._precision.backward(loss, **kwargs)
+        self._strategy.backward(loss, self._precision, self._gs, **kwargs)
 
-    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
+    def autocast(
+        self, autocast_handler: AutocastKwargs | None = None
+    ) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context (prepared models already run their forward in it);
         ``AutocastKwargs(enabled=False)`` turns it off for a block.
 
@@ -89,6 +88,54 @@ class TrainingStep:
         """
         return self._strategy.no_sync(model)
 
+    @contextlib.contextmanager
+    def join_uneven_inputs(
+        self, joinables: list[Any], even_batches: bool | None = None
+    ) -> Iterator[None]:
+        """Let ranks with fewer batches finish while DDP keeps the others going (torch's
+        ``Join``); ``even_batches=False`` turns off evening-out for prepared loaders inside.
+
+        Example::
+
+            with accelerator.join_uneven_inputs([model], even_batches=False):
+                for batch in loader:
+                    ...
+        """
+        if not self.state.distributed:
+            yield
+            return
+        kind = self.state.distributed_type.value
+        if kind not in ("MULTI_CPU", "MULTI_GPU"):
+            warnings.warn(
+                f"join_uneven_inputs is only supported for multi-GPU or multi-CPU (DDP) "
+                f"training; this run is {kind}, so the context does nothing.",
+                UserWarning,
+                stacklevel=3,
+            )
+            yield
+            return
+        from torch.distributed.algorithms.join import Join
+
+        loaders = self._registry.dataloaders
+        saved = [(dl, dl.even_batches) for dl in loaders if dl._sampler is not None]
+        if even_batches is not None and len(saved) < len(loaders):
+            warnings.warn(
+                "join_uneven_inputs(even_batches=...) is only supported for map-style datasets; "
+                "the prepared loaders of iterable datasets keep evening out their last batches.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if even_batches is not None:
+            for dl, _ in saved:
+                dl.even_batches = even_batches
+        even = even_batches if even_batches is not None else self.even_batches
+        try:
+            with Join(joinables, enable=not even, throw_on_early_termination=False):
+                yield
+        finally:
+            for dl, value in saved:
+                dl.even_batches = value
+
     @staticmethod
     @contextlib.contextmanager
     def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
@@ -114,7 +161,9 @@ class TrainingStep:
         finally:
             model.require_backward_grad_sync, model.require_forward_param_sync = old
 
-    def unscale_gradients(self, optimizer: Any = None) -> None:
+    def unscale_gradients(
+        self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None
+    ) -> None:
         """Divide fp16 gradients by the loss scale (before inspecting or clipping them).
 
         Example::
@@ -123,14 +172,17 @@ class TrainingStep:
             accelerator.unscale_gradients()
             print(model.weight.grad.norm())   # the true gradient, not the scaled one
         """
+        optimizers: Sequence[Any]
         if optimizer is None:
-            optimizers = self._optimizers
+            optimizers = self._registry.optimizers
         else:
             optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
         for opt in optimizers:
             self._precision.unscale_(getattr(opt, "optimizer", opt))
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor | None:
         """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware).
 
         Example::
@@ -144,7 +196,7 @@ class TrainingStep:
         self.unscale_gradients()
         return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
-    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16).
 
         Example::
@@ -156,7 +208,9 @@ class TrainingStep:
             torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     @contextlib.contextmanager
-    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
+    def profile(
+        self, profile_handler: ProfileKwargs | None = None
+    ) -> Iterator[torch.profiler.profile]:
         """``torch.profiler.profile`` configured by a ProfileKwargs; with ``output_trace_dir``
         each rank writes ``trace_rank<i>.json`` (Chrome trace) when the block ends.
 
@@ -198,10 +252,10 @@ class TrainingStep:
 
             model, optimizer = accelerator.free_memory(model, optimizer)
         """
-        objects = release_memory(*objects)
-        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        released = release_memory(*objects)
+        self._registry.forget()
         self.step = 0
-        return objects
+        return released
 
     def clear(self, *objects: Any) -> Any:
         """Alias of :meth:`free_memory` (Accelerate's name too)."""

@@ -26,7 +26,7 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,11 @@ from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space, swap_faile
 from nbaccel.training import ops
 from nbaccel.training.file_reading import torch_load
 from nbaccel.training.random import capture_rng_state, restore_rng_state
+from nbaccel.training.registry import PreparedObjects
+from nbaccel.training.strategies.base import Strategy, state_file
+
+if TYPE_CHECKING:  # the Accelerator, as its saving mixin hands itself over
+    from nbaccel.training.accelerator_parts import AcceleratorParts
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -79,7 +84,9 @@ def _siblings(directory: Path) -> tuple[Path, Path]:
 Hook = Callable[..., None]
 
 
-def save_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()) -> Path:
+def save_state(
+    acc: AcceleratorParts, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()
+) -> Path:
     """Write everything a resumed run needs into ``directory`` (collective: call on every rank),
     calling each of ``hooks`` as ``hook(models, weights, staging_folder)`` before the model files.
     The random states saved are the ones the run goes on with, whatever the hooks drew. A failed
@@ -130,60 +137,37 @@ def _tree_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _fsdp() -> Any:
-    """The sharded-checkpoint module, imported only when a sharded folder is met: it imports
-    torch.distributed.checkpoint, seconds a first save_state of a plain model need not pay."""
-    from nbaccel.training.strategies import fsdp
+def _hook_models(acc: AcceleratorParts, prepared: PreparedObjects) -> list[torch.nn.Module]:
+    """The models as Accelerate's hooks see them (the user's modules without DDP or
+    torch.compile; what the strategy says otherwise), in a list of the hooks' own."""
 
-    return fsdp
+    def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+        return acc.unwrap_model(model, keep_torch_compile=False)
 
-
-def _hook_models(acc: Any, prepared: Any) -> list[torch.nn.Module]:
-    """The models as Accelerate's hooks see them: the user's modules without DDP or torch.compile
-    (FSDP modules and DeepSpeed engines as prepared), in a list of the hooks' own."""
-    if getattr(prepared.strategy, "engine_checkpoint", False):
-        return list(prepared.models)
-    return [acc.unwrap_model(model, keep_torch_compile=False) for model in prepared.models]
+    return prepared.strategy.models_for_hooks(prepared.models, unwrap)
 
 
-def _collective_models(strategy: Any) -> bool:
-    """Whether the models are written and read by every rank's own collective (DeepSpeed's
-    engine, FSDP's shards) rather than as full state dicts: then, as in Accelerate, the hooks'
-    ``weights`` and load-time ``models`` are empty, the models handled before the hooks run."""
-    return getattr(strategy, "engine_checkpoint", False) or getattr(
-        strategy, "sharded_checkpoint", False
-    )
-
-
-def _write_all(acc: Any, staging: Path, main: bool, hooks: list[Hook]) -> None:
+def _write_all(acc: AcceleratorParts, staging: Path, main: bool, hooks: list[Hook]) -> None:
     prepared = acc.prepared()
     strategy = prepared.strategy
-    engine = getattr(strategy, "engine_checkpoint", False)  # DeepSpeed: model + optimizer, per rank
-    sharded = getattr(strategy, "sharded_checkpoint", False)  # FSDP with SHARDED_STATE_DICT
     weights: list[dict[str, Any]] = []
     for i, model in enumerate(prepared.models):
-        if engine:
-            strategy.save_engine_checkpoint(model, staging, f"model_{i}")
-        elif sharded:
-            _fsdp().save_sharded_model(model, staging / f"model_{i}")
-        else:
-            weights.append(strategy.model_state_dict(model))  # every rank: FSDP gathers here
+        # Every rank: FSDP gathers here; a collective checkpoint writes each rank's part.
+        state = strategy.save_model(model, staging / f"model_{i}")
+        if state is not None:
+            weights.append(state)
     models = _hook_models(acc, prepared) if hooks else []
     for hook in hooks:  # on every rank, as in Accelerate; a popped state is the hook's to save
         hook(models, weights, str(staging))
     if main:
         for i, state in enumerate(weights):
-            atomic_save(state, staging / f"model_{i}.pt")
-    for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
+            atomic_save(state, state_file(staging / f"model_{i}"))
+    for i, (opt, owner) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         # Each optimizer through its own model: under FSDP its state is gathered via that model.
-        if engine:
-            continue  # in the engine's checkpoint
-        if sharded:
-            _fsdp().save_sharded_optimizer(model, opt.optimizer, staging / f"optimizer_{i}")
-            continue
-        state = strategy.optimizer_state_dict(model, opt.optimizer)
-        if main:
-            atomic_save(state, staging / f"optimizer_{i}.pt")
+        target = staging / f"optimizer_{i}"
+        state = strategy.save_optimizer(owner, opt.optimizer, target)
+        if state is not None and main:
+            atomic_save(state, state_file(target))
     if main:
         for i, sched in enumerate(prepared.schedulers):
             atomic_save(sched.state_dict(), staging / f"scheduler_{i}.pt")
@@ -198,7 +182,9 @@ def _write_all(acc: Any, staging: Path, main: bool, hooks: list[Hook]) -> None:
         )
 
 
-def load_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()) -> Path:
+def load_state(
+    acc: AcceleratorParts, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()
+) -> Path:
     """Restore what :func:`save_state` wrote, including this rank's RNG states (every rank),
     after calling each of ``hooks`` as ``hook(models, folder)``: the models a hook pops from
     ``models`` it has loaded itself, and are not loaded here."""
@@ -212,10 +198,9 @@ def load_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook
         )
     prepared = acc.prepared()
     strategy = prepared.strategy
-    engine = getattr(strategy, "engine_checkpoint", False)
-    collective = _collective_models(strategy)
+    collective = strategy.collective_checkpoint  # models loaded before the hooks, as saved
     if collective:
-        _load_models(path, prepared.models, prepared.models, strategy, engine)
+        _load_models(path, list(prepared.models), prepared.models, strategy)
     given = [] if collective else _hook_models(acc, prepared)
     models = list(given)
     for hook in hooks:  # on every rank, as in Accelerate
@@ -224,15 +209,9 @@ def load_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook
         # What the hooks left, mapped back to the prepared (wrapped) models they stand for.
         prepared_of = {id(mine): theirs for mine, theirs in zip(given, prepared.models)}
         left = [prepared_of.get(id(model), model) for model in models]
-        _load_models(path, left, prepared.models, strategy, engine)
+        _load_models(path, left, prepared.models, strategy)
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
-        if engine:
-            continue
-        if (path / f"optimizer_{i}").is_dir():
-            _fsdp().load_sharded_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
-            continue
-        state = torch_load(path / f"optimizer_{i}.pt")
-        strategy.load_optimizer_state_dict(model, opt.optimizer, state)
+        strategy.load_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
     for i, sched in enumerate(prepared.schedulers):
         sched.load_state_dict(torch_load(path / f"scheduler_{i}.pt"))
     for i, loader in enumerate(prepared.dataloaders):
@@ -258,7 +237,10 @@ def load_state(acc: Any, directory: str | os.PathLike[str], hooks: Iterable[Hook
 
 
 def _load_models(
-    path: Path, models: list[Any], prepared: tuple[Any, ...], strategy: Any, engine: bool
+    path: Path,
+    models: list[torch.nn.Module],
+    prepared: tuple[torch.nn.Module, ...],
+    strategy: Strategy,
 ) -> None:
     """Load ``model_<i>`` of ``path`` into ``models[i]``, once the count matches."""
     expected = len({p.name.removesuffix(".pt") for p in path.glob("model_*")})
@@ -272,9 +254,4 @@ def _load_models(
             "and load themselves, as at save_state()."
         )
     for i, model in enumerate(models):
-        if engine:
-            strategy.load_engine_checkpoint(model, path, f"model_{i}")
-        elif (path / f"model_{i}").is_dir():  # sharded: loads on any number of ranks
-            _fsdp().load_sharded_model(model, path / f"model_{i}")
-        else:
-            strategy.load_model_state_dict(model, torch_load(path / f"model_{i}.pt"))
+        strategy.load_model(model, path / f"model_{i}")

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from nbaccel.training import iterable, ops, xla
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.process import ProcessState
+
+if TYPE_CHECKING:
+    from nbaccel.training.partial_state import PartialState
 from nbaccel.training.random import synchronize_rng_states
 from nbaccel.training.sharding import ShardedBatchSampler
 from nbaccel.training.sharding import plan_epoch as _plan_epoch
-from nbaccel.training.state import GradientState, ProcessState
 
 __all__ = [
     "DataLoaderDispatcher",
@@ -56,7 +60,7 @@ class PreparedDataLoader:
     def __init__(
         self,
         loader: DataLoader,
-        state: ProcessState,
+        state: ProcessState | PartialState,  # the facts of this rank, either way
         gradient_state: GradientState,
         *,
         split_batches: bool,

@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from nbaccel.training import data
+from nbaccel.training.accumulation import GradientState
 from nbaccel.training.random import check_rng_types
 from nbaccel.training.sharding import SeedableRandomSampler
-from nbaccel.training.state import GradientState
 
 __all__ = ["SeedableRandomSampler", "prepare_data_loader", "seedable"]
 
@@ -73,7 +73,7 @@ def prepare_data_loader(
 
         dl = prepare_data_loader(DataLoader(ds, batch_size=8, shuffle=True), put_on_device=True)
     """
-    from nbaccel.training.shared_state import PartialState
+    from nbaccel.training.partial_state import PartialState
 
     if torch_device_mesh is not None:
         raise NotImplementedError(

@@ -186,7 +186,7 @@ class DeepSpeedPlugin:
 
         import torch
 
-        from nbaccel.training.shared_state import AcceleratorState
+        from nbaccel.training.partial_state import AcceleratorState
 
         if not (self.zero3_init_flag and self.zero_stage_in_config == 3):
             return contextlib.nullcontext()

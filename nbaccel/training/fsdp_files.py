@@ -39,7 +39,7 @@ def save_fsdp_model(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from nbaccel.training.checkpoint import atomic_save
-    from nbaccel.training.strategies.fsdp import save_sharded_model
+    from nbaccel.training.strategies.sharded_files import save_sharded_model
 
     if adapter_only:
         raise NotImplementedError(
@@ -76,7 +76,7 @@ def merge_fsdp_weights(
 
         merge_fsdp_weights("out/pytorch_model_fsdp_0", "merged")   # merged/model.safetensors
     """
-    from nbaccel.training.shared_state import PartialState
+    from nbaccel.training.partial_state import PartialState
 
     state = PartialState()
     written = None

@@ -1,6 +1,7 @@
 """Model weight files in Hugging Face's layout: ``model.safetensors`` (or
 ``pytorch_model.bin``), split into shards with a JSON index when larger than ``max_shard_size``,
-tied tensors stored once, and loading them back into a model.
+tied tensors stored once, and loading them back into a model; ``save`` writes any object on
+the main process only (Accelerate's ``accelerate.utils.save``).
 
 >>> import torch, tempfile
 >>> folder = tempfile.mkdtemp()
@@ -25,6 +26,7 @@ from nbaccel.core.disk_space import OutOfSpaceError, swap_failed
 from nbaccel.training import model_folder
 from nbaccel.training.checkpoint import atomic_save
 from nbaccel.training.file_reading import safetensors_load, torch_load
+from nbaccel.training.process import env_int
 
 SAFE_WEIGHTS_NAME, WEIGHTS_NAME = "model.safetensors", "pytorch_model.bin"
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -261,3 +263,28 @@ def load_checkpoint_in_model(
         state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
     _fill_tied(model, state)
     model.load_state_dict(state, strict=strict)
+
+
+def save(
+    obj: Any,
+    f: str | os.PathLike[str],
+    save_on_each_node: bool = False,
+    safe_serialization: bool = False,
+) -> None:
+    """``torch.save`` (or safetensors with ``safe_serialization``) on the main process only
+    (the main process of each machine with ``save_on_each_node``), written atomically.
+
+    Example::
+
+        save(model.state_dict(), "out/model.pt")     # rank 0 writes; the others skip
+    """
+    if env_int("LOCAL_RANK" if save_on_each_node else "RANK", 0) == 0:
+        write(obj, f, safe_serialization)
+
+
+def write(obj: Any, f: str | os.PathLike[str], safe_serialization: bool) -> None:
+    """Write ``obj`` atomically: safetensors (a dict of tensors) or ``torch.save``."""
+    if safe_serialization:
+        save_safetensors(obj, f)
+    else:
+        atomic_save(obj, f)

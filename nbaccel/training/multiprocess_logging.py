@@ -1,4 +1,5 @@
-"""``get_logger``: a logger for training code that runs on every rank, as Accelerate's is.
+"""``get_logger``: a logger for training code that runs on every rank, as Accelerate's is; and
+``tqdm``, a progress bar shown by the local main process only.
 
 By default a record is emitted by the main process only, so N ranks do not print each message N
 times; ``main_process_only=False`` emits it on every rank, and ``in_order=True`` on every rank
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nbaccel.training.state import env_int
+from nbaccel.training.process import env_int
 
 __all__ = ["MultiProcessAdapter", "get_logger"]
 
@@ -87,3 +88,24 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
         logger.setLevel(log_level.upper())
         logging.getLogger().setLevel(log_level.upper())
     return MultiProcessAdapter(logger, {})
+
+
+def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
+    """``tqdm.auto.tqdm``, shown by the local main process only (with ``main_process_only``);
+    in a rank it is reported to the launch's dashboard like any tqdm bar.
+
+    Example::
+
+        for batch in tqdm(loader, desc="train"):   # one bar per machine, not per rank
+            ...
+    """
+    if args and isinstance(args[0], bool):
+        raise ValueError(
+            "tqdm's first argument is the iterable; to show the bar on every rank pass "
+            "main_process_only=False (Accelerate's older tqdm(True, ...) form is not supported)."
+        )
+    from tqdm.auto import tqdm as bar
+
+    if main_process_only:
+        kwargs["disable"] = kwargs.get("disable", False) or env_int("LOCAL_RANK", 0) != 0
+    return bar(*args, **kwargs)

@@ -3,6 +3,7 @@
 Every function works unchanged in one process (it returns its input, or a copy) so code written
 for N ranks runs in the kernel too. Nested lists, tuples and dicts of tensors are handled by
 walking them and applying the collective to each tensor in the same order on every rank.
+Also Accelerate's free ``wait_for_everyone`` and ``concatenate`` (joining gathered structures).
 
 >>> import torch
 >>> gather(torch.tensor([1, 2]))            # one process: nothing to gather
@@ -328,3 +329,38 @@ def barrier() -> None:
     """Wait until every rank gets here (nothing to wait for in one process)."""
     if _world() > 1:
         _comm().barrier()
+
+
+def wait_for_everyone() -> None:
+    """Block until every rank reaches this line (nothing to wait for in one process).
+
+    Example::
+
+        wait_for_everyone()
+    """
+    barrier()
+
+
+def concatenate(data: list[Any], dim: int = 0) -> Any:
+    """Concatenate a list of same-shaped nested structures (lists, tuples, dicts) of tensors
+    tensor by tensor along ``dim``.
+
+    Example::
+
+        concatenate([{"logits": a}, {"logits": b}])   # {"logits": torch.cat([a, b])}
+    """
+    if not isinstance(data, (list, tuple)) or not data:
+        raise TypeError(f"concatenate needs a non-empty list, got {type(data).__name__}.")
+    first = data[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(data), dim=dim)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
+        return type(first)(*(concatenate([d[i] for d in data], dim) for i in range(len(first))))
+    if isinstance(first, (list, tuple)):
+        return type(first)(concatenate([d[i] for d in data], dim) for i in range(len(first)))
+    if isinstance(first, Mapping):
+        return type(first)({k: concatenate([d[k] for d in data], dim) for k in first})
+    raise TypeError(
+        f"concatenate can only join tensors (in nested lists, tuples, dicts), got "
+        f"{type(first).__name__}."
+    )

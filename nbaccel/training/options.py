@@ -23,7 +23,9 @@ class KwargsHandler:
     """Base of the ``*Kwargs`` handlers: ``to_kwargs()`` gives only the fields you changed."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        if not dataclasses.is_dataclass(self) or isinstance(self, type):
+            raise TypeError(f"{type(self).__name__} is a KwargsHandler, so it must be a dataclass.")
+        return dataclasses.asdict(self)
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields that differ from the defaults, ready to pass on as keyword arguments.

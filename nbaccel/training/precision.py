@@ -134,6 +134,8 @@ class AutocastPrecision(Precision):
 class Fp16Precision(AutocastPrecision):
     """fp16: autocast plus a GradScaler, so small gradients do not vanish in half precision."""
 
+    scaler: torch.amp.GradScaler  # always one here (None in the other precisions)
+
     def __init__(self, device: torch.device, scaler_kwargs: Any = None) -> None:
         super().__init__(device, torch.float16, "fp16")
         options = scaler_kwargs.to_kwargs() if scaler_kwargs is not None else {}
@@ -200,7 +202,7 @@ def select_precision(name: str, device: torch.device, scaler_kwargs: Any = None)
             f"mixed_precision={name!r} is not supported; choose one of "
             f"{', '.join(map(repr, MIXED_PRECISION_CHOICES))}."
         )
-    gpus = ()
+    gpus: tuple[GPU, ...] = ()
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)

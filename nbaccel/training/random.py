@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.training.state import env_int
+from nbaccel.training.process import env_int
 
 try:
     import numpy as _np

@@ -1,9 +1,10 @@
 """What an Accelerator has prepared, and which model each optimizer updates.
 
-``Accelerator.prepared()`` returns a :class:`PreparedObjects`: the one public view of the
-prepared models, optimizers (each paired with the model whose parameters it holds), schedulers,
-dataloaders and custom checkpoint objects, used by ``save_state``/``load_state`` and anyone else
-who needs them. Pairing by parameters, not by position, keeps two models with two optimizers
+A :class:`Registry` holds the lists that ``prepare()`` (and a strategy preparing several objects
+at once, DeepSpeed) add to. ``Accelerator.prepared()`` returns a :class:`PreparedObjects`: the
+one public view of the prepared models, optimizers (each paired with the model whose parameters
+it holds), schedulers, dataloaders and custom checkpoint objects, used by ``save_state`` /
+``load_state`` and anyone else who needs them. Pairing by parameters, not by position, keeps two models with two optimizers
 (a GAN's G and D, a model and its EMA copy) right under FSDP, where the optimizer state can only
 be gathered through its own model.
 
@@ -16,9 +17,13 @@ True
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from nbaccel.training.strategies.base import Strategy
+    from nbaccel.training.strategies.prepared import PreparedOptimizer, PreparedScheduler
 
 
 def pair_optimizer(optimizer: Any, models: list[torch.nn.Module]) -> torch.nn.Module | None:
@@ -58,4 +63,41 @@ class PreparedObjects:
     schedulers: tuple[Any, ...]
     dataloaders: tuple[Any, ...]
     custom_objects: tuple[Any, ...]
-    strategy: Any
+    strategy: Strategy
+
+
+@dataclasses.dataclass
+class Registry:
+    """The objects one Accelerator prepared, in the order it prepared them (mutable lists).
+
+    >>> registry = Registry()
+    >>> registry.models.append(torch.nn.Linear(1, 1))
+    >>> registry.forget(); registry.models
+    []
+    """
+
+    models: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+    optimizers: list[PreparedOptimizer] = dataclasses.field(default_factory=list)
+    schedulers: list[PreparedScheduler] = dataclasses.field(default_factory=list)
+    dataloaders: list[Any] = dataclasses.field(default_factory=list)
+    custom_objects: list[Any] = dataclasses.field(
+        default_factory=list
+    )  # register_for_checkpointing
+
+    def forget(self) -> None:
+        """Drop the prepared models, optimizers, schedulers and loaders (``free_memory``); the
+        checkpointed custom objects stay. New lists: a scheduler keeps the optimizers it had."""
+        self.models, self.optimizers, self.schedulers, self.dataloaders = [], [], [], []
+
+    def view(self, strategy: Strategy) -> PreparedObjects:
+        """The read-only :class:`PreparedObjects`, each optimizer paired with its model."""
+        models = list(self.models)
+        return PreparedObjects(
+            models=tuple(models),
+            optimizers=tuple(self.optimizers),
+            optimizer_models=tuple(pair_optimizer(o, models) for o in self.optimizers),
+            schedulers=tuple(self.schedulers),
+            dataloaders=tuple(self.dataloaders),
+            custom_objects=tuple(self.custom_objects),
+            strategy=strategy,
+        )

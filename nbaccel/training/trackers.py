@@ -15,12 +15,13 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from nbaccel.core import capabilities
 from nbaccel.rank import reporting
+from nbaccel.training.accelerator_parts import AcceleratorParts
 from nbaccel.training.options import LoggerType
-from nbaccel.training.state import env_int
+from nbaccel.training.process import env_int
 
 
 def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,6 +57,11 @@ class GeneralTracker:
     """
 
     main_process_only = True
+    # What a subclass defines (checked in __init__); declared for the type checker only.
+    name: ClassVar[str]
+    requires_logging_directory: ClassVar[bool]
+    package: ClassVar[str]  # nbaccel's built-in trackers: the package they need installed
+    tracker: Any
 
     def __init__(self, _blank: bool = False) -> None:
         missing = [
@@ -303,7 +309,7 @@ def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[Any]:
     return chosen
 
 
-class Tracking:
+class Tracking(AcceleratorParts):
     """Mixed into :class:`nbaccel.Accelerator`: init_trackers, log, get_tracker, end_training."""
 
     def _init_tracking(self, log_with: Any) -> None:

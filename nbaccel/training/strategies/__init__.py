@@ -1,27 +1,37 @@
-"""Strategies own how a model and its optimizer are wrapped for N ranks (DDP, FSDP), and the
-prepared optimizer and scheduler that step through the precision and gradient accumulation.
+"""Strategies own how objects are prepared and trained on N ranks (DDP, FSDP2, DeepSpeed, XLA):
+wrapping, backward, gradient sync, clipping, state dicts and checkpoint files
+(:class:`~nbaccel.training.strategies.base.Strategy`), and the prepared optimizer and scheduler
+that step through the precision and gradient accumulation (``prepared``).
 
 Adding a strategy means adding one module with a :class:`Strategy` subclass and a line in
-:func:`select_strategy`.
+:func:`select_strategy`; the Accelerator only calls the interface.
 
->>> from nbaccel.training.state import detect_state
+>>> from nbaccel.training.process import detect_state
 >>> select_strategy("ddp", detect_state(cpu=True)).name
 'ddp'
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nbaccel.core.config import STRATEGY_CHOICES
-from nbaccel.training.state import ProcessState
-from nbaccel.training.strategies.base import PreparedOptimizer, PreparedScheduler, Strategy
+from nbaccel.training.process import ProcessState
+from nbaccel.training.strategies.base import Preparer, Strategy
+from nbaccel.training.strategies.prepared import PreparedOptimizer, PreparedScheduler
 
-__all__ = ["PreparedOptimizer", "PreparedScheduler", "Strategy", "select_strategy"]
+if TYPE_CHECKING:
+    from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
+    from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
+
+__all__ = ["PreparedOptimizer", "PreparedScheduler", "Preparer", "Strategy", "select_strategy"]
 
 
 def select_strategy(
-    name: str, state: ProcessState, fsdp_plugin: Any = None, deepspeed_plugin: Any = None
+    name: str,
+    state: ProcessState,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+    deepspeed_plugin: DeepSpeedPlugin | None = None,
 ) -> Strategy:
     """The strategy called ``name`` ("ddp", "fsdp" or "deepspeed") for this process.
 

@@ -1,25 +1,131 @@
-"""The interface every strategy implements, and the prepared optimizer and scheduler that step
-through the precision and gradient accumulation."""
+"""The interface every strategy implements: everything the Accelerator asks of DDP, FSDP,
+DeepSpeed or XLA, so it never asks which one it holds.
+
+A strategy decides how objects are prepared (one at a time, or all at once into an engine),
+how a model is wrapped and unwrapped, how backward, gradient sync and clipping run, how full
+state dicts are read and written, and how ``save_state``/``load_state`` store each model and
+optimizer. The defaults suit a plain model on one device; a strategy overrides what differs.
+
+>>> import torch
+>>> from nbaccel.training.accumulation import GradientState
+>>> from nbaccel.training.process import detect_state
+>>> from nbaccel.training.precision import Precision
+>>> strategy = Strategy(detect_state(cpu=True))
+>>> loss = torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum()
+>>> strategy.backward(loss, Precision(torch.device("cpu")), GradientState(accumulation_steps=2))
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 import torch
+from torch.utils.data import DataLoader
 
-from nbaccel.training.state import GradientState, ProcessState
+from nbaccel.training import deepspeed_dummies
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.data import PreparedDataLoader
+from nbaccel.training.file_reading import torch_load
+from nbaccel.training.precision import Precision
+from nbaccel.training.process import DistributedType, ProcessState
+from nbaccel.training.strategies.prepared import PreparedOptimizer
+
+
+class Preparer(Protocol):
+    """What a strategy may ask of the Accelerator while preparing: its one-object paths."""
+
+    @property
+    def gradient_state(self) -> GradientState: ...
+
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None
+    ) -> torch.nn.Module: ...
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> Any: ...
+
+    def prepare_scheduler(self, scheduler: Any) -> Any: ...
+
+    def prepare_data_loader(
+        self, data_loader: DataLoader | PreparedDataLoader, device_placement: bool | None = None
+    ) -> PreparedDataLoader: ...
+
+
+class Prepared(Protocol):
+    """The lists of what an Accelerator prepared (its ``registry.Registry``) that a strategy
+    preparing several objects at once reads and adds to."""
+
+    models: list[torch.nn.Module]
+    optimizers: list[PreparedOptimizer]
+    dataloaders: list[Any]
 
 
 class Strategy:
     """The interface every strategy implements; the defaults suit a plain local model."""
 
-    name = "base"
+    name: ClassVar[str] = "base"
+    is_fsdp2: ClassVar[bool] = False  # Accelerate's ``accelerator.is_fsdp2``
     ddp_handler: Any = None  # a DistributedDataParallelKwargs, for strategies that use DDP
 
     def __init__(self, state: ProcessState) -> None:
         self.state = state
+
+    # -- settings ---------------------------------------------------------------------------
+
+    def adapt_precision(self, precision: Precision) -> Precision:
+        """The precision the Accelerator runs with (an engine that casts itself replaces it)."""
+        return precision
+
+    def distributed_type(self) -> DistributedType | None:
+        """Accelerate's ``distributed_type`` this strategy makes the run (FSDP, DEEPSPEED), or
+        None where the process's own kind (NO, MULTI_CPU, MULTI_GPU, XLA) stands."""
+        return None
+
+    def plugins(self) -> dict[str, Any]:
+        """Accelerate's plugin attributes this strategy fills (``fsdp_plugin``...), so a plugin
+        built from the launch settings reads back from the Accelerator like a passed one."""
+        return {}
+
+    # -- prepare ----------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        objects: Sequence[Any],
+        placement: Sequence[bool] | None,
+        preparer: Preparer,
+        registry: Prepared,
+    ) -> list[Any]:
+        """Prepare ``objects`` (``accelerator.prepare``'s arguments) in place of the originals.
+
+        One at a time through ``preparer``; models first, since FSDP replaces parameters and
+        optimizers must then follow them. ``registry`` holds what was prepared before.
+        """
+        deepspeed_dummies.refuse_stand_ins(objects)
+        out: list[Any] = list(objects)
+        kinds = (
+            torch.nn.Module,
+            torch.optim.Optimizer,
+            torch.optim.lr_scheduler.LRScheduler,
+            (DataLoader, PreparedDataLoader),
+        )
+        for kind in kinds:
+            for i, obj in enumerate(objects):
+                if not isinstance(obj, kind):
+                    continue
+                place = placement[i] if placement else None
+                if isinstance(obj, torch.nn.Module):
+                    out[i] = preparer.prepare_model(obj, device_placement=place)
+                elif isinstance(obj, torch.optim.Optimizer):
+                    out[i] = preparer.prepare_optimizer(obj, device_placement=place)
+                elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                    out[i] = preparer.prepare_scheduler(obj)
+                else:
+                    out[i] = preparer.prepare_data_loader(obj, device_placement=place)
+        return out
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         raise NotImplementedError
@@ -30,13 +136,25 @@ class Strategy:
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
 
-    def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    # -- training step ----------------------------------------------------------------------
+
+    def backward(
+        self, loss: torch.Tensor, precision: Precision, gs: GradientState, **kwargs: Any
+    ) -> None:
+        """``loss.backward()``, divided over the accumulation steps and scaled for fp16."""
+        if gs.accumulation_steps > 1:
+            loss = loss / gs.accumulation_steps
+        precision.backward(loss, **kwargs)
+
+    def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         raise NotImplementedError
+
+    # -- full state dicts -------------------------------------------------------------------
 
     def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         raise NotImplementedError
@@ -45,129 +163,70 @@ class Strategy:
         raise NotImplementedError
 
     def optimizer_state_dict(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+        self,
+        module: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
     ) -> None:
         optimizer.load_state_dict(state)
 
-
-class PreparedOptimizer(torch.optim.Optimizer):
-    """The user's optimizer, stepping through the precision (fp16 scaler) and doing nothing on
-    accumulation micro-steps. Everything else (``param_groups``, ``state``, hooks) is the
-    original's, so LR schedulers built on either object work.
-
-    Example::
-
-        model, opt = accelerator.prepare(model, opt)
-        opt.step(); opt.zero_grad()      # skipped inside accumulate() until the last micro-step
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: Any, gs: GradientState):
-        # Deliberately no super().__init__: the wrapped optimizer holds all the state.
-        self.optimizer, self._precision, self._gs = optimizer, precision, gs
-        self.step_was_skipped = False
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "optimizer":
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
+    # -- save_state / load_state ------------------------------------------------------------
+    # ``target`` names one object's place in a checkpoint folder (``<folder>/model_0``): a
+    # strategy writes a folder or files there itself, or returns a state dict that the main
+    # process writes as ``<target>.pt``.
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+    def collective_checkpoint(self) -> bool:
+        """Whether models are written and read by every rank's own collective (an engine's
+        checkpoint, sharded folders) rather than as full state dicts; then, as in Accelerate,
+        the pre-hooks get no ``weights`` and no load-time ``models``."""
+        return False
 
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    def step(self, closure: Callable | None = None) -> None:
-        if not self._gs.sync_gradients:
-            return
-        self.step_was_skipped = not self._precision.optimizer_step(self.optimizer, closure)
-        self._gs.optimizer_step_was_skipped = self.step_was_skipped
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._gs.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def __repr__(self) -> str:
-        return f"PreparedOptimizer({self.optimizer!r})"
-
-    # torch.optim.Optimizer's own __getstate__/__setstate__ expect the state on self; here it
-    # all lives in the wrapped optimizer, which pickles itself (as Accelerate's wrapper does).
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-
-class PreparedScheduler:
-    """An LR scheduler that advances once per process for each real optimizer step.
-
-    Schedules are usually sized from the unsharded DataLoader's length; each rank sees only
-    1/N of the batches, so stepping N times per optimizer step makes the schedule end on time.
-    Accumulation micro-steps and steps skipped by the fp16 scaler do not advance it. With
-    ``step_scheduler_with_optimizer=False`` every ``step()`` advances it exactly once.
-    """
-
-    def __init__(
+    def models_for_hooks(
         self,
-        scheduler: Any,
-        optimizers: list[PreparedOptimizer],
-        gs: GradientState,
-        steps_per_update: int,
-        step_with_optimizer: bool = True,
+        models: Sequence[torch.nn.Module],
+        unwrap: Callable[[torch.nn.Module], torch.nn.Module],
+    ) -> list[torch.nn.Module]:
+        """The models as Accelerate's save/load pre-hooks see them: the user's modules."""
+        return [unwrap(model) for model in models]
+
+    def save_model(self, module: torch.nn.Module, target: Path) -> dict[str, Any] | None:
+        """Every rank: the full state dict to write at ``target`` (or None: written here)."""
+        return self.model_state_dict(module)
+
+    def save_optimizer(
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer, target: Path
+    ) -> dict[str, Any] | None:
+        """Every rank: the optimizer's state to write at ``target`` (or None: written here)."""
+        return self.optimizer_state_dict(module, optimizer)
+
+    def load_model(self, module: torch.nn.Module, target: Path) -> None:
+        """Read what :meth:`save_model` left at ``target`` into ``module``: a full state dict,
+        or a sharded folder (any strategy reads those; they reshard on load)."""
+        if target.is_dir():
+            from nbaccel.training.strategies import sharded_files  # imports slowly
+
+            sharded_files.load_sharded_model(module, target)
+        else:
+            self.load_model_state_dict(module, torch_load(state_file(target)))
+
+    def load_optimizer(
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer, target: Path
     ) -> None:
-        self.scheduler, self._optimizers, self._gs = scheduler, optimizers, gs
-        self._n, self._with_optimizer = steps_per_update, step_with_optimizer
+        """Read what :meth:`save_optimizer` left at ``target`` into ``optimizer``."""
+        if target.is_dir() and module is not None:  # sharded: read through its model
+            from nbaccel.training.strategies import sharded_files
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
+            sharded_files.load_sharded_optimizer(module, optimizer, target)
+        else:
+            self.load_optimizer_state_dict(module, optimizer, torch_load(state_file(target)))
 
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if not self._with_optimizer:
-            # step_scheduler_with_optimizer=False: the user steps it on their own schedule.
-            self.scheduler.step(*args, **kwargs)
-            return
-        if not self._gs.sync_gradients:
-            return
-        if any(opt.step_was_skipped for opt in self._optimizers):
-            return
-        for _ in range(self._n):
-            total = getattr(self.scheduler, "total_steps", None)
-            if total is not None and self.scheduler.last_epoch >= total:
-                break  # OneCycleLR raises past its end; the last partial step is not an error
-            self.scheduler.step(*args, **kwargs)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheduler.get_last_lr()
+def state_file(target: Path) -> Path:
+    """Where a state dict for ``target`` (``model_0``) is written: ``model_0.pt``."""
+    return target.with_name(target.name + ".pt")

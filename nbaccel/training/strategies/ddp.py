@@ -1,10 +1,11 @@
 """The DDP strategy: one full copy of the model per rank, gradients averaged by DDP.
 
 With one process the model is only moved to the device; with several it is wrapped in
-``DistributedDataParallel`` (one GPU per rank on CUDA, gloo on CPU).
+``DistributedDataParallel`` (one GPU per rank on CUDA, gloo on CPU);
+``extract_model_from_parallel`` takes the wrapper off again (Accelerate's free function).
 
 >>> import torch
->>> from nbaccel.training.state import detect_state
+>>> from nbaccel.training.process import detect_state
 >>> s = DDPStrategy(detect_state(cpu=True))
 >>> type(s.setup_module(torch.nn.Linear(2, 2))).__name__     # one process: no wrapper
 'Linear'
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nbaccel.training.precision import Precision
 from nbaccel.training.strategies.base import Strategy
 
 
@@ -81,3 +83,34 @@ def register_comm_hook(model: DistributedDataParallel, handler: Any) -> None:
         if wrapper in ("fp16", "bf16"):
             hook = getattr(default_hooks, f"{wrapper}_compress_wrapper")(hook)
     model.register_comm_hook(state=state, hook=hook)
+
+
+def extract_model_from_parallel(
+    model: torch.nn.Module,
+    keep_fp32_wrapper: bool = True,
+    keep_torch_compile: bool = True,
+    recursive: bool = False,
+) -> torch.nn.Module:
+    """The module inside DDP (and torch.compile, unless ``keep_torch_compile``); with
+    ``recursive=True`` also DDP wrappers nested among its submodules.
+
+    Example::
+
+        plain = extract_model_from_parallel(ddp_model)
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    compiled = getattr(model, "_orig_mod", None)
+    inner: Any = compiled if compiled is not None else model
+    while isinstance(inner, DistributedDataParallel):
+        inner = inner.module
+    if not keep_fp32_wrapper:
+        Precision.remove_autocast_forward(inner)
+    if recursive:
+        for parent in inner.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, DistributedDataParallel):
+                    setattr(parent, name, extract_model_from_parallel(child, keep_fp32_wrapper))
+    if compiled is not None and keep_torch_compile and inner is compiled:
+        return model
+    return inner

@@ -1,7 +1,7 @@
 """The DeepSpeed strategy: ZeRO stages 0-3 through one ``deepspeed.initialize`` engine.
 
-DeepSpeed wants the model and optimizer together, so ``Accelerator.prepare`` hands them here at
-once (:meth:`DeepSpeedStrategy.prepare_all`). The engine then owns loss scaling, accumulation
+DeepSpeed wants the model and optimizer together, so this strategy's :meth:`~DeepSpeedStrategy.prepare`
+takes them at once. The engine then owns loss scaling, accumulation
 boundaries, clipping and the optimizer step: ``backward`` runs ``engine.backward`` and, at a
 boundary, ``engine.step``; the returned optimizer does nothing on ``step``/``zero_grad``
 (Accelerate's behaviour). A torch LR scheduler stays nbaccel's prepared scheduler, so it
@@ -21,13 +21,14 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from nbaccel.training.accumulation import GradientState
 from nbaccel.training.deepspeed_dummies import DummyOptim, DummyScheduler, EngineScheduler
 from nbaccel.training.deepspeed_plugin import (
     DeepSpeedPlugin,
@@ -36,14 +37,16 @@ from nbaccel.training.deepspeed_plugin import (
     join_process_group,
 )
 from nbaccel.training.precision import Precision
-from nbaccel.training.strategies.base import PreparedOptimizer, Strategy
+from nbaccel.training.process import DistributedType, ProcessState
+from nbaccel.training.strategies.base import Prepared, Preparer, Strategy
+from nbaccel.training.strategies.prepared import PreparedOptimizer
 
 
 class DeepSpeedOptimizer(PreparedOptimizer):
     """The engine's optimizer: ``step``/``zero_grad`` are done by ``accelerator.backward`` at
     each accumulation boundary, so here they only record whether the step was skipped."""
 
-    def __init__(self, engine: Any, gs: Any) -> None:
+    def __init__(self, engine: Any, gs: GradientState) -> None:
         super().__init__(engine.optimizer, Precision(torch.device("cpu")), gs)
         self._engine = engine
 
@@ -60,23 +63,29 @@ class DeepSpeedStrategy(Strategy):
     """One DeepSpeed engine per Accelerator, configured by a :class:`DeepSpeedPlugin`."""
 
     name = "deepspeed"
-    engine_checkpoint = True  # save_state/load_state use engine.save_checkpoint/load_checkpoint
 
-    def __init__(self, state: Any, plugin: DeepSpeedPlugin | None = None) -> None:
+    def __init__(self, state: ProcessState, plugin: DeepSpeedPlugin | None = None) -> None:
         super().__init__(state)
         self.plugin = plugin if plugin is not None else DeepSpeedPlugin()
         self.engine: Any = None
+        self.config: dict[str, Any] = {}
         self.mixed_precision = "no"
         self._warned_clip = False
         self._ds = import_deepspeed(cpu=state.device.type == "cpu")  # fail early if missing
 
-    def engine_precision(self, precision: Precision) -> Precision:
+    def adapt_precision(self, precision: Precision) -> Precision:
         """A precision that casts nothing (the engine's bf16/fp16 sections do) but keeps the
         name, so ``accelerator.mixed_precision`` still reports it."""
         self.mixed_precision = precision.name
         plain = Precision(precision.device)
         plain.name = precision.name
         return plain
+
+    def distributed_type(self) -> DistributedType | None:
+        return DistributedType.DEEPSPEED  # as Accelerate: on one process too
+
+    def plugins(self) -> dict[str, Any]:
+        return {"deepspeed_plugin": self.plugin}
 
     # -- prepare ------------------------------------------------------------------------------
 
@@ -87,9 +96,16 @@ class DeepSpeedStrategy(Strategy):
             "together."
         )
 
-    def prepare_all(self, acc: Any, args: list[Any], placement: list[bool] | None) -> list[Any]:
-        """Prepare loaders as usual and model/optimizer/scheduler as one engine; registers them
-        with ``acc`` (its ``_models``, ``_optimizers``, ``_schedulers``) like the single paths."""
+    def prepare(
+        self,
+        objects: Sequence[Any],
+        placement: Sequence[bool] | None,
+        preparer: Preparer,
+        registry: Prepared,
+    ) -> list[Any]:
+        """Prepare loaders as usual and model/optimizer/scheduler as one engine, entered in
+        ``registry`` like what the one-object paths prepare."""
+        args = list(objects)
         kinds = {
             kind: [i for i, a in enumerate(args) if isinstance(a, cls)]
             for kind, cls in (
@@ -100,7 +116,7 @@ class DeepSpeedStrategy(Strategy):
             )
         }
         # An engine forgotten by free_memory() may be replaced; a live one may not.
-        live = self.engine is not None and any(m is self.engine for m in acc._models)
+        live = self.engine is not None and any(m is self.engine for m in registry.models)
         for kind in ("model", "optimizer", "scheduler"):
             if len(kinds[kind]) > 1 or kinds[kind] and live:
                 raise ValueError(
@@ -110,7 +126,7 @@ class DeepSpeedStrategy(Strategy):
                 )
         out = list(args)
         for i in kinds["loader"]:
-            out[i] = acc.prepare_data_loader(args[i], placement[i] if placement else None)
+            out[i] = preparer.prepare_data_loader(args[i], placement[i] if placement else None)
         if not kinds["model"]:
             if kinds["optimizer"] or kinds["scheduler"]:
                 raise ValueError(
@@ -121,27 +137,28 @@ class DeepSpeedStrategy(Strategy):
         model = args[kinds["model"][0]]
         optimizer = args[kinds["optimizer"][0]] if kinds["optimizer"] else None
         scheduler = args[kinds["scheduler"][0]] if kinds["scheduler"] else None
-        loaders = [out[i] for i in kinds["loader"]] or list(acc._dataloaders)
-        self.engine = self._initialize(acc, model, optimizer, scheduler, loaders)
+        loaders = [out[i] for i in kinds["loader"]] or list(registry.dataloaders)
+        gs = preparer.gradient_state
+        self.engine = self._initialize(gs, model, optimizer, scheduler, loaders)
         out[kinds["model"][0]] = self.engine
-        acc._models.append(self.engine)
+        registry.models.append(self.engine)
         if optimizer is not None:
-            opt = DeepSpeedOptimizer(self.engine, acc._gs)
+            opt = DeepSpeedOptimizer(self.engine, gs)
             out[kinds["optimizer"][0]] = opt
-            acc._optimizers.append(opt)
+            registry.optimizers.append(opt)
         if isinstance(scheduler, DummyScheduler):
             out[kinds["scheduler"][0]] = EngineScheduler(self.engine)  # the engine steps it
         elif scheduler is not None:
             # Stepped like every prepared scheduler (N times per optimizer step on N ranks,
             # not on skipped steps), so a schedule runs as under DDP; saved by save_state.
-            out[kinds["scheduler"][0]] = acc.prepare_scheduler(scheduler)
+            out[kinds["scheduler"][0]] = preparer.prepare_scheduler(scheduler)
         for obj in (model, optimizer):
             if obj is not None:
                 obj._nbaccel_prepared = True
         return out
 
     def _initialize(
-        self, acc: Any, model: Any, optimizer: Any, scheduler: Any, loaders: list[Any]
+        self, gs: GradientState, model: Any, optimizer: Any, scheduler: Any, loaders: list[Any]
     ) -> Any:
         join_process_group(self._ds, self.state.local_process_index)
         config = self.plugin.deepspeed_config
@@ -149,12 +166,12 @@ class DeepSpeedStrategy(Strategy):
         if config.get("gradient_accumulation_steps", "auto") != "auto":
             steps = config["gradient_accumulation_steps"]  # the config file is the authority
         if steps not in (None, "auto"):
-            acc._gs.accumulation_steps = int(steps)  # accumulate() must agree with the engine
+            gs.accumulation_steps = int(steps)  # accumulate() must agree with the engine
         micro = loaders[0].batch_size if loaders else None  # per rank (split_batches applied)
         filled = fill_auto(
             config,
             micro_batch=micro,
-            accumulation_steps=acc._gs.accumulation_steps,
+            accumulation_steps=gs.accumulation_steps,
             world_size=self.state.num_processes,
             mixed_precision=self.mixed_precision,
             gradient_clipping=self.plugin.gradient_clipping,
@@ -185,13 +202,16 @@ class DeepSpeedStrategy(Strategy):
 
     # -- training -----------------------------------------------------------------------------
 
-    def backward(self, loss: torch.Tensor, sync_gradients: bool, **kwargs: Any) -> None:
-        """``engine.backward`` (scaled by 1/accumulation steps), then ``engine.step`` at the
-        accumulation boundary (optimizer step, clipping, scheduler step, zeroing)."""
+    def backward(
+        self, loss: torch.Tensor, precision: Precision, gs: GradientState, **kwargs: Any
+    ) -> None:
+        """``engine.backward`` (scaled by 1/accumulation steps: not the precision's), then
+        ``engine.step`` at the accumulation boundary (optimizer step, clipping, scheduler step,
+        zeroing)."""
         engine = self._require_engine()
-        engine.set_gradient_accumulation_boundary(sync_gradients)
+        engine.set_gradient_accumulation_boundary(gs.sync_gradients)
         engine.backward(loss, **kwargs)
-        if sync_gradients:
+        if gs.sync_gradients:
             engine.step()
 
     def clip_grad_norm_(
@@ -227,20 +247,46 @@ class DeepSpeedStrategy(Strategy):
             "accelerator.load_state(folder), or load the weights into the model before prepare()."
         )
 
-    def save_engine_checkpoint(self, module: Any, folder: Path, tag: str) -> None:
-        """``engine.save_checkpoint``: every rank writes its shard of weights and optimizer."""
-        module.save_checkpoint(str(folder), tag=tag, save_latest=False)
+    # save_state/load_state: engine.save_checkpoint/load_checkpoint, the optimizer inside.
 
-    def load_engine_checkpoint(self, module: Any, folder: Path, tag: str) -> None:
-        """``engine.load_checkpoint`` of what :meth:`save_engine_checkpoint` wrote."""
-        if not (folder / tag).is_dir():
+    @property
+    def collective_checkpoint(self) -> bool:
+        return True
+
+    def models_for_hooks(
+        self,
+        models: Sequence[torch.nn.Module],
+        unwrap: Callable[[torch.nn.Module], torch.nn.Module],
+    ) -> list[torch.nn.Module]:
+        return list(models)  # the engines, as Accelerate's hooks get them
+
+    def save_model(self, module: torch.nn.Module, target: Path) -> dict[str, Any] | None:
+        """``engine.save_checkpoint``: every rank writes its shard of weights and optimizer."""
+        engine: Any = module  # a DeepSpeedEngine (DeepSpeed ships no annotations)
+        engine.save_checkpoint(str(target.parent), tag=target.name, save_latest=False)
+        return None
+
+    def save_optimizer(
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer, target: Path
+    ) -> dict[str, Any] | None:
+        return None  # in the engine's checkpoint
+
+    def load_model(self, module: torch.nn.Module, target: Path) -> None:
+        """``engine.load_checkpoint`` of what :meth:`save_model` wrote."""
+        if not target.is_dir():
             raise FileNotFoundError(
-                f"{folder / tag} is missing: the checkpoint was not written by a DeepSpeed "
+                f"{target} is missing: the checkpoint was not written by a DeepSpeed "
                 "run; resume with the strategy that saved it."
             )
-        path, _ = module.load_checkpoint(str(folder), tag=tag)
+        engine: Any = module
+        path, _ = engine.load_checkpoint(str(target.parent), tag=target.name)
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder / tag}.")
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {target}.")
+
+    def load_optimizer(
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer, target: Path
+    ) -> None:
+        pass  # loaded with the engine's checkpoint
 
     def _require_engine(self) -> Any:
         if self.engine is None:

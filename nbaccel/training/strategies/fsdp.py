@@ -17,14 +17,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
@@ -36,12 +34,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
+from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.base import Strategy
+from nbaccel.training.strategies.sharded_files import save_sharded_model, save_sharded_optimizer
 
 _FULL = StateDictOptions(full_state_dict=True)
 
@@ -50,15 +50,24 @@ class FSDPStrategy(Strategy):
     """FSDP2 (``fully_shard``) over all ranks of this launch, configured by a plugin."""
 
     name = "fsdp"
+    is_fsdp2 = True
 
-    def __init__(self, state: Any, plugin: FullyShardedDataParallelPlugin | None = None) -> None:
+    def __init__(
+        self, state: ProcessState, plugin: FullyShardedDataParallelPlugin | None = None
+    ) -> None:
         super().__init__(state)
         self.plugin = plugin if plugin is not None else FullyShardedDataParallelPlugin()
-        self._mesh = None
+        self._mesh: DeviceMesh | None = None
         self._new_params: dict[int, torch.nn.Parameter] = {}
 
+    def distributed_type(self) -> DistributedType | None:
+        return DistributedType.FSDP if self.state.distributed else None
+
+    def plugins(self) -> dict[str, Any]:
+        return {"fsdp_plugin": self.plugin}
+
     @property
-    def sharded_checkpoint(self) -> bool:
+    def collective_checkpoint(self) -> bool:
         """Whether ``save_state`` writes per-rank shards (``SHARDED_STATE_DICT``)."""
         return self.plugin.state_dict_type == "SHARDED_STATE_DICT"
 
@@ -154,7 +163,7 @@ class FSDPStrategy(Strategy):
         set_model_state_dict(module, state, options=_FULL)
 
     def optimizer_state_dict(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
         if not isinstance(module, FSDPModule):
             return optimizer.state_dict()
@@ -162,77 +171,31 @@ class FSDPStrategy(Strategy):
         return get_optimizer_state_dict(module, optimizer, options=options)
 
     def load_optimizer_state_dict(
-        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+        self,
+        module: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        state: dict[str, Any],
     ) -> None:
         if not isinstance(module, FSDPModule):
             optimizer.load_state_dict(state)
             return
         set_optimizer_state_dict(module, optimizer, state, options=_FULL)
 
+    # -- save_state / load_state: full files, or with SHARDED_STATE_DICT a folder per object --
 
-# -- sharded checkpoints (SHARDED_STATE_DICT): one folder per object, a shard per rank -------
-# Module-level so any strategy can read them: torch.distributed.checkpoint reshards on load, so a
-# folder written by 2 FSDP ranks loads into 1 process, DDP, or a different number of ranks.
+    def save_model(self, module: torch.nn.Module, target: Path) -> dict[str, Any] | None:
+        if not self.collective_checkpoint:
+            return super().save_model(module, target)
+        save_sharded_model(module, target)
+        return None
 
-
-def save_sharded_model(module: torch.nn.Module, folder: Path) -> None:
-    """Every rank writes its shards of ``module`` into ``folder`` (a collective).
-
-    Example::
-
-        save_sharded_model(model, Path("ckpt/model_0"))
-    """
-    _dcp_save({"model": get_model_state_dict(module)}, folder)
-
-
-def load_sharded_model(module: torch.nn.Module, folder: Path) -> None:
-    """Read a :func:`save_sharded_model` folder into ``module``, on any number of ranks.
-
-    Example::
-
-        load_sharded_model(model, Path("ckpt/model_0"))
-    """
-    state = {"model": get_model_state_dict(module)}
-    _dcp_load(state, folder)
-    set_model_state_dict(module, state["model"])
-
-
-def save_sharded_optimizer(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
-) -> None:
-    """Every rank writes its shard of ``optimizer``'s state, keyed by ``module``'s parameter names.
-
-    Example::
-
-        save_sharded_optimizer(model, opt, Path("ckpt/optimizer_0"))
-    """
-    state = get_optimizer_state_dict(module, optimizer)
-    _dcp_save({"optimizer": state}, folder)
-
-
-def load_sharded_optimizer(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
-) -> None:
-    """Read a :func:`save_sharded_optimizer` folder into ``optimizer`` (paired with ``module``).
-
-    Example::
-
-        load_sharded_optimizer(model, opt, Path("ckpt/optimizer_0"))
-    """
-    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
-    _dcp_load(state, folder)
-    set_optimizer_state_dict(module, optimizer, state["optimizer"])
-
-
-def _dcp_save(state: dict[str, Any], folder: Path) -> None:
-    dcp.save(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
-
-
-def _dcp_load(state: dict[str, Any], folder: Path) -> None:
-    with warnings.catch_warnings():
-        # One process without a process group is a supported reader; torch warns regardless.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    def save_optimizer(
+        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer, target: Path
+    ) -> dict[str, Any] | None:
+        if not self.collective_checkpoint or module is None:
+            return super().save_optimizer(module, optimizer, target)
+        save_sharded_optimizer(module, optimizer, target)
+        return None
 
 
 def _blocks(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nbaccel.training.process import ProcessState
 from nbaccel.training.strategies.base import Strategy
 
 
@@ -27,7 +28,7 @@ class XLAStrategy(Strategy):
 
     name = "xla"
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: ProcessState) -> None:
         super().__init__(state)
         self._optimizers: list[torch.optim.Optimizer] = []
         self._reduced: set[int] = set()  # optimizers whose gradients clipping already reduced
@@ -52,16 +53,13 @@ class XLAStrategy(Strategy):
         state = {self._moved.get(id(p), (p, p))[1]: v for p, v in optimizer.state.items()}
         optimizer.state.clear()
         optimizer.state.update(state)
-        original = optimizer.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self._reduce(optimizer)
-            self._reduced.discard(id(optimizer))
-            return original(*args, **kwargs)
-
-        optimizer.step = step  # type: ignore[method-assign]
+        optimizer.register_step_pre_hook(self._before_step)
         self._optimizers.append(optimizer)
         return optimizer
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._reduce(optimizer)  # unless clipping did already
+        self._reduced.discard(id(optimizer))
 
     def _reduce(self, optimizer: torch.optim.Optimizer) -> None:
         if self.state.num_processes > 1 and id(optimizer) not in self._reduced:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,10 @@ import torch.distributed as dist
 from nbaccel.core import xla_runtime
 from nbaccel.training import ops
 from nbaccel.training.accelerator_processes import ProcessControl
-from nbaccel.training.state import DistributedType, GradientState, ProcessState, detect_state
+from nbaccel.training.accumulation import GradientState
+from nbaccel.training.process import DistributedType, ProcessState, detect_state
+
+_State = TypeVar("_State", bound="PartialState")
 
 
 class _Shared(dict):
@@ -77,7 +80,7 @@ class PartialState(ProcessControl):
         self._gs = GradientState()
 
     @classmethod
-    def _from(cls, process: ProcessState, **extra: Any) -> PartialState:
+    def _from(cls: type[_State], process: ProcessState, **extra: Any) -> _State:
         """The state an Accelerator made; it becomes what later ``PartialState()`` calls see."""
         _SHARED["process"] = process
         _SHARED["distributed_type"] = None  # a new Accelerator: what it runs, not a set value
@@ -167,6 +170,17 @@ class PartialState(ProcessControl):
         )
 
 
+# What an Accelerator sets in _SHARED (AcceleratorState._from's keywords); _reset_state forgets it.
+_ACCELERATOR_KEYS = (
+    "mixed_precision",
+    "strategy",
+    "strategy_type",
+    "is_fsdp2",
+    "fsdp_plugin",
+    "deepspeed_plugin",
+)
+
+
 class AcceleratorState(PartialState):
     """PartialState plus the latest Accelerator's settings: mixed precision and strategy.
 
@@ -180,7 +194,7 @@ class AcceleratorState(PartialState):
     fsdp_plugin = property(lambda self: _SHARED.get("fsdp_plugin"))
     deepspeed_plugin = property(lambda self: _SHARED.get("deepspeed_plugin"))
 
-    is_fsdp2 = property(lambda self: self.strategy == "fsdp", doc="nbaccel's FSDP is FSDP2.")
+    is_fsdp2 = property(lambda self: _SHARED.get("is_fsdp2", False), doc="nbaccel's FSDP is FSDP2.")
     fork_launched = property(lambda self: False, doc="Ranks come from a fork server, not fork.")
 
     @classmethod
@@ -189,7 +203,7 @@ class AcceleratorState(PartialState):
         test code calls. Each nbaccel Accelerator sets its own, so this only forgets the last
         one's settings (mixed precision, strategy, a set ``distributed_type``); the process and
         its process group stay."""
-        for key in ("mixed_precision", "strategy", "fsdp_plugin", "deepspeed_plugin"):
+        for key in _ACCELERATOR_KEYS:
             _SHARED.pop(key, None)
         _SHARED["distributed_type"] = None
 
@@ -207,11 +221,8 @@ class AcceleratorState(PartialState):
         self.get_deepspeed_plugin(name)
 
     def _detected_type(self) -> DistributedType:
-        if self.distributed and self.strategy == "fsdp":
-            return DistributedType.FSDP
-        if self.strategy == "deepspeed":  # as Accelerate: DEEPSPEED on one process too
-            return DistributedType.DEEPSPEED
-        return super()._detected_type()
+        strategy_type = _SHARED.get("strategy_type")  # what the strategy makes the run
+        return strategy_type if strategy_type is not None else super()._detected_type()
 
     def __repr__(self) -> str:
         return super().__repr__() + f"Mixed precision type: {self.mixed_precision}\n"
