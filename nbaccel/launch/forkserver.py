@@ -92,6 +92,14 @@ def ensure_server(extra_modules: tuple[str, ...] = (), restart: bool = False) ->
                 kernel_mirror.close()
 
 
+def lacks(extra_modules: tuple[str, ...]) -> bool:
+    """Whether :func:`ensure_server` would restart the server (stopping every rank forked from
+    it) to preload ``extra_modules``."""
+    wanted = (*SERVER_PRELOAD, *extra_modules, *SERVER_LAST)
+    alive = mp_internals.server_alive(mp_internals.forkserver_pid())
+    return alive and not set(wanted) <= set(_server_modules)
+
+
 @contextlib.contextmanager
 def ranks_starting(specs: Sequence[RankSpec], start_method: str) -> Iterator[None]:
     """Around the forks of a launch's ranks: wait until the server is ready and has imported

@@ -35,9 +35,9 @@ from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.forkserver import ensure_server
-from nbaccel.launch.group import RankGroup
+from nbaccel.launch.group import STOP_GRACE, RankGroup
 from nbaccel.launch.plan import UNSET, LaunchPlan
-from nbaccel.launch.relay import STOP_GRACE, Relay, load_payload
+from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.session_cell import (
     CellError,
     CellTimeoutError,
@@ -146,7 +146,7 @@ class Ranks:
             state = LaunchState(  # its clocks start with the ranks (as in launcher.run_plan)
                 self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
             )
-            self._relay = Relay(self._group, state, CellTextView(), None)
+            self._relay = Relay(self._group, state, CellTextView())
             self._relay.register()
             self._connections = accept_ranks(server, self._relay)
             self._set_up()
@@ -207,8 +207,8 @@ class Ranks:
                 group.stop(grace=min(grace, 1.0))
             group.reap()
         if relay is not None:
-            with contextlib.suppress(Exception):
-                for r in group.ranks if group else []:
+            for r in group.ranks if group else []:
+                with contextlib.suppress(OSError, ValueError):  # pipes closed by a dead rank
                     relay.drain(r)
             relay.selector.close()
         for conn in self._connections.values():
@@ -353,8 +353,7 @@ class Ranks:
         finally:
             self.running = None
             finish_state(relay.state, outcome)
-            with contextlib.suppress(Exception):
-                relay.view.finish()
+            relay.view.finish()
         return [done[r] for r in selected]
 
     def _note(self, done: Done) -> None:
