@@ -101,6 +101,7 @@ class KernelSession:
         # iopub messages of earlier requests that arrived while a later cell ran (a background
         # launch's output), in arrival order: see messages_of
         self.other_messages: list[dict[str, Any]] = []
+        self.statuses: list[dict[str, Any]] = []  # the busy/idle statuses of executed cells
 
     def __enter__(self) -> KernelSession:
         env = {**os.environ, **self._env}
@@ -148,6 +149,7 @@ class KernelSession:
                 self.other_messages.append(msg)
                 continue
             if msg["msg_type"] == "status":
+                self.statuses.append(msg)
                 if msg["content"]["execution_state"] == "idle":
                     break
                 continue

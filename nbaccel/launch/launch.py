@@ -38,6 +38,7 @@ from nbaccel.launch.group import STOP_GRACE, RankGroup, RankProcess
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload, server_gone
 from nbaccel.ui import View, choose_view
+from nbaccel.ui.busy import BusyBeacon
 
 
 class RunJob:
@@ -136,7 +137,8 @@ class Launch:
         """Run the launch to its end here; rank 0's value (every rank's with ``return_all``)."""
         __tracebackhide__ = True
         try:
-            payloads = self._attempts()
+            with BusyBeacon():  # in a kernel's main thread: the cell is busy to the end
+                payloads = self._attempts()
             if self._return_all:
                 return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
             return load_payload(0, payloads.get(0)) if self.plan.info.node_rank == 0 else None

@@ -49,6 +49,7 @@ from nbaccel.launch.session_cell import (
 from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.launch.session_status import StatusTable, rank_rows
 from nbaccel.ui import View, widget_frontend
+from nbaccel.ui.busy import BusyBeacon
 from nbaccel.ui.cell_view import CellView
 
 
@@ -142,7 +143,8 @@ class Ranks:
             if self._plan.info.start_method == "forkserver":
                 ensure_server()
             self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
-            self._group.start()
+            with BusyBeacon():  # it may wait for a warming fork server
+                self._group.start()
             state = LaunchState(  # its clocks start with the ranks (as in launcher.run_plan)
                 self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
             )
@@ -338,7 +340,8 @@ class Ranks:
         relay.view.start(relay.state)
         outcome = Outcome.FAILED
         try:
-            done = run_command(relay, self._connections, command, selected, limit, notify)
+            with BusyBeacon():
+                done = run_command(relay, self._connections, command, selected, limit, notify)
             outcome = Outcome.FINISHED
         except CellTimeoutError:
             outcome = Outcome.TIMED_OUT
