@@ -19,7 +19,7 @@ import contextvars
 import sys
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from typing import Any
 
 from nbaccel.core import shared_tensors
@@ -120,11 +120,10 @@ class Launch:
         plan: LaunchPlan,
         view: View | None = None,
         progress: bool | str = True,
-        preload: Sequence[str] = (),
         return_all: bool = False,
     ) -> None:
         self.plan = plan
-        self._view, self._progress, self._preload = view, progress, tuple(preload)
+        self._view, self._progress = view, progress
         self._return_all = return_all
         self.state: LaunchState | None = None  # the current attempt's (views read it too)
         self._stopping = threading.Event()
@@ -204,8 +203,8 @@ class Launch:
         view.start(state)
         try:
             if plan.info.start_method == "forkserver":
-                _refuse_restart_under(self._preload)
-                forkserver.ensure_server(self._preload)
+                _refuse_restart_under(plan.preload)
+                forkserver.ensure_server(plan.preload)
             group.start()  # stops what it started on any failure
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt)

@@ -130,12 +130,14 @@ def _launch(
     """Plan (every check before anything starts), then run the launch here or in the background."""
     __tracebackhide__ = True
     try:
-        plan = resolve_plan(function, args, kwargs if kwargs is not None else {}, **options)
+        plan = resolve_plan(
+            function, args, kwargs if kwargs is not None else {}, preload=preload, **options
+        )
     except (TypeError, ValueError, RuntimeError, OSError) as exc:
         if os.environ.get("NBACCEL_DEBUG") or not _raised_by_nbaccel(exc):
             raise  # a library's error inside the checks (a bug, or its own): its frames matter
         _raise_short(exc)
-    launch = Launch(plan, view, progress, preload, return_all=bool(options.get("return_all")))
+    launch = Launch(plan, view, progress, return_all=bool(options.get("return_all")))
     return launch.run() if block else launch.start()
 
 
