@@ -83,12 +83,8 @@ class RunJob:
         if self.relay.failures:  # the failure ends the launch; it is what to report
             return
         alive = self.group.alive()
-        before = {r.rank: len(self.state.ranks[r.rank].diag) for r in alive}
-        self.group.send_signal(alive, loop.STACK_DUMP_SIGNAL)
-        self.relay.collect_stacks(alive)
         stacks = {
-            r.rank: root_cause.without_plumbing(self.state.ranks[r.rank].diag[before[r.rank] :])
-            for r in alive
+            k: root_cause.without_plumbing(v) for k, v in self.relay.stacks_now(alive).items()
         }
         self.state.outcome = Outcome.TIMED_OUT
         raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)

@@ -21,6 +21,7 @@ from typing import Any
 
 from nbaccel.core import events, mp_internals
 from nbaccel.core.errors import LaunchError, RankFailedError, load_exception
+from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_raise
 from nbaccel.core.launch_state import LaunchState
 from nbaccel.core.launch_state import RankStatus as Status
@@ -203,6 +204,15 @@ class Relay:
         self._leftovers = []
         if found:
             warnings.warn(leftover_warning(found), LeftoverProcessesWarning, stacklevel=_caller())
+
+    def stacks_now(self, alive: list[RankProcess]) -> dict[int, str]:
+        """Ask ``alive`` for their Python stacks (``STACK_DUMP_SIGNAL``) and return each rank's
+        dump (what its diagnostic pipe got meanwhile): the timeout's report, for a launch and a
+        ``%ranks`` cell alike."""
+        before = {r.rank: len(self.state.ranks[r.rank].diag) for r in alive}
+        self.group.send_signal(alive, STACK_DUMP_SIGNAL)
+        self.collect_stacks(alive)
+        return {r.rank: self.state.ranks[r.rank].diag[before[r.rank] :] for r in alive}
 
     def collect_stacks(self, alive: list[RankProcess]) -> None:
         """Read the ranks' stack dumps: until each has written one and gone quiet, or 2 s.

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
-from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.core.local_traceback import name_cell
@@ -177,14 +176,8 @@ class CellJob:
             )
 
     def on_timeout(self) -> None:
-        alive = self.running()
-        state = self.relay.state
-        before = {r.rank: len(state.ranks[r.rank].diag) for r in alive}
-        self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
-        self.relay.collect_stacks(alive)
-        self.stacks = {
-            r.rank: cell_stack(state.ranks[r.rank].diag[before[r.rank] :]) for r in alive
-        }
+        dumps = self.relay.stacks_now(self.running())
+        self.stacks = {rank: cell_stack(dump) for rank, dump in dumps.items()}
         self._interrupt()
 
     def on_interrupt(self) -> None:
