@@ -92,7 +92,7 @@ class RankGroup:
         """
         ctx = multiprocessing.get_context(self.start_method)
         try:
-            with forkserver.ranks_starting(self.specs, self.start_method):
+            with forkserver.STARTS, forkserver.ranks_starting(self.specs, self.start_method):
                 for spec in self.specs:
                     self._start_answered(ctx, spec)
         except KeyboardInterrupt as exc:
