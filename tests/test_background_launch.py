@@ -170,6 +170,12 @@ def test_two_background_launches_started_at_once_both_end(kernel):
 
 def test_stop_leaves_nothing_running(kernel, tmp_path):
     _start_recording(kernel, tmp_path, "running_launch")
+    # A preload the server lacks would restart it under the running ranks: refused.
+    refused = kernel.execute(
+        "nbaccel.notebook_launcher(print, num_processes=1, preload=['colorsys'])"
+    )
+    assert refused.error is not None and refused.error["ename"] == "LaunchError"
+    assert "needs a fresh fork server" in refused.error_text
     assert len(running(tmp_path)) == 4
     stopped = kernel.execute("running_launch.stop(); running_launch.status")
     assert stopped.error is None, stopped.error_text
