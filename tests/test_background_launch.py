@@ -79,11 +79,12 @@ def test_a_background_launch_trains_while_other_cells_run_then_returns_its_value
     assert started.stdout.startswith("Launch False\n")  # it returned at once
     launch_cell = kernel.last_msg_id
 
-    # Three other cells while it trains: plain work, the Stop button, a plot of the metrics.
+    # Three other cells while it trains: plain work, the Stop button (in a wait for the result:
+    # it ends the wait, not the launch), a plot of the metrics.
     other = kernel.execute("print(sum(range(10**6)), launch.done())")
     assert other.error is None and other.stdout == f"{sum(range(10**6))} False\n"
     interrupted = kernel.execute(
-        "time.sleep(60)", on_message=lambda m: m["msg_type"] == "execute_input" and _stop(kernel)
+        "launch.result()", on_message=lambda m: m["msg_type"] == "execute_input" and _stop(kernel)
     )
     assert interrupted.error is not None and interrupted.error["ename"] == "KeyboardInterrupt"
     plotted = kernel.execute(
