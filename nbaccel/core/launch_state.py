@@ -1,7 +1,8 @@
 """What the kernel knows about a launch while it runs: its settings and each rank's state.
 
-The relay loop writes it; views only read it. Kept free of IPython and widgets so the text view,
-the dashboard and the final summary all render the same facts.
+The kernel's loop writes it (through the relay and the jobs); views only read it. Kept free of
+IPython and widgets so the text view, the dashboard and the final summary all render the same
+facts.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ class RankGroup:
                 pass
 
     # -- the one stop sequence: SIGTERM to every live rank and its children, SIGKILL after a
-    #    grace period. begin_stop/poll_stop never block (the relay loop calls them); stop()
+    #    grace period. begin_stop/poll_stop never block (the loop's RunJob calls them); stop()
     #    is the blocking form for cleanup paths.
 
     def begin_stop(self, grace: float) -> None:

@@ -145,7 +145,7 @@ class Ranks:
             self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
             with BusyBeacon():  # it may wait for a warming fork server
                 self._group.start()
-            state = LaunchState(  # its clocks start with the ranks (as in launcher.run_plan)
+            state = LaunchState(  # its clocks start with the ranks (as in Launch._attempt)
                 self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
             )
             self._relay = Relay(self._group, state, CellTextView())
