@@ -28,11 +28,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "notebook_launcher": "nbaccel.launch.launcher",
     "debug_launcher": "nbaccel.launch.launcher",
+    "Launch": "nbaccel.launch.launch",
     "Ranks": "nbaccel.launch.session",
     "LaunchConfig": "nbaccel.core.config",
     "ConfigError": "nbaccel.core.config",
     "LaunchError": "nbaccel.core.errors",
     "LaunchTimeoutError": "nbaccel.core.errors",
+    "LaunchStoppedError": "nbaccel.core.errors",
     "RankFailedError": "nbaccel.core.errors",
     "Accelerator": "nbaccel.training.accelerator",
     "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",

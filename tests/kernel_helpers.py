@@ -98,6 +98,10 @@ class KernelSession:
         self._env = env or {}
         self._startup = startup
         self.client = None
+        # iopub messages of earlier requests that arrived while a later cell ran (a background
+        # launch's output), in arrival order: see messages_of
+        self.other_messages: list[dict[str, Any]] = []
+        self.statuses: list[dict[str, Any]] = []  # the busy/idle statuses of executed cells
 
     def __enter__(self) -> KernelSession:
         env = {**os.environ, **self._env}
@@ -129,7 +133,7 @@ class KernelSession:
         ``on_message(msg)`` sees each iopub message as it arrives (e.g. to interrupt the kernel
         once some output has appeared).
         """
-        msg_id = self.client.execute(code)
+        msg_id = self.last_msg_id = self.client.execute(code)
         deadline = time.monotonic() + timeout
         messages = []
         while True:
@@ -140,10 +144,12 @@ class KernelSession:
                 msg = self.client.get_iopub_msg(timeout=remaining)
             except queue.Empty:
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
             msg["received_at"] = time.monotonic()
+            if msg["parent_header"].get("msg_id") != msg_id:
+                self.other_messages.append(msg)
+                continue
             if msg["msg_type"] == "status":
+                self.statuses.append(msg)
                 if msg["content"]["execution_state"] == "idle":
                     break
                 continue
@@ -151,6 +157,22 @@ class KernelSession:
             if on_message is not None:
                 on_message(msg)
         return Cell(messages, self.shell_reply(msg_id, timeout)["content"])
+
+    def messages_of(self, msg_id: str) -> Cell:
+        """What arrived for request ``msg_id`` after its cell went idle (so far), as a Cell."""
+        mine = [m for m in self.other_messages if m["parent_header"].get("msg_id") == msg_id]
+        return Cell([m for m in mine if m["msg_type"] != "status"], {})
+
+    def drain_iopub(self, seconds: float) -> None:
+        """Keep what arrives on iopub for ``seconds`` (see :meth:`messages_of`)."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = self.client.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                return
+            msg["received_at"] = time.monotonic()
+            self.other_messages.append(msg)
 
     def shell_reply(self, msg_id: str, timeout: float = 30) -> dict[str, Any]:
         """The shell reply to request ``msg_id``, skipping replies to earlier requests, which

@@ -245,6 +245,29 @@ def test_timeout_names_running_ranks_and_shows_their_stacks():
     assert "still running: rank 0, 1" in str(error)
 
 
+def requeue_handler_then_sleep(directory):
+    """A rank with a scheduler's requeue handler on SIGUSR1 (Lightning's, submitit's)."""
+    import signal
+
+    def requeue(*_):
+        open(os.path.join(directory, f"requeued-{os.environ['RANK']}"), "w").close()
+
+    signal.signal(signal.SIGUSR1, requeue)
+    sleep_in_named_function()
+
+
+def test_stack_requests_leave_a_ranks_sigusr1_handler_alone(tmp_path):
+    """The timeout's stack request is a signal no scheduler claims: the rank's own SIGUSR1
+    handler is not called, and the stack still arrives (with SIGUSR1 the handler replaced
+    faulthandler's: no stack, and a spurious requeue)."""
+    with pytest.raises(nbaccel.LaunchTimeoutError) as info:
+        nbaccel.notebook_launcher(
+            requeue_handler_then_sleep, args=(str(tmp_path),), num_processes=1, timeout=3
+        )
+    assert "waiting_for_godot" in info.value.stacks[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_next_launch_works_after_a_failure():
     with pytest.raises(RankFailedError):
         nbaccel.notebook_launcher(fail_then_wait_long, num_processes=2)

@@ -119,6 +119,13 @@ class TestRejectedBeforeStarting:
         with pytest.raises(ValueError, match="timeout must be a positive number"):
             nbaccel.notebook_launcher(noop, num_processes=1, timeout=0)
 
+    @pytest.mark.parametrize("block", [True, False])
+    def test_preload_must_be_module_names(self, block):
+        """Checked by the plan like every other argument (the fork server got it unchecked),
+        before a background launch is started too."""
+        with pytest.raises(TypeError, match=r"preload must be a list of module names"):
+            nbaccel.notebook_launcher(noop, num_processes=1, preload=[3], block=block)
+
 
 def test_num_processes_none_without_gpu_warns_and_uses_one():
     with pytest.warns(UserWarning, match="pass num_processes explicitly"):

@@ -204,3 +204,42 @@ def test_ranks_do_not_inherit_the_inline_matplotlib_backend(kernel):
     )
     assert result.error is None, result.error_text
     assert result.results[-1]["text/plain"] == "('Agg', False)"
+
+
+def test_the_kernel_shows_busy_for_a_whole_blocking_launch(kernel):
+    """JupyterLab's control-channel requests during a cell (its debugger's, the widget
+    manager's subshell request) make ipykernel publish busy/idle for them, and JupyterLab shows
+    the last status it saw: the running launch re-publishes its cell's busy (once a second)."""
+    asked = []
+
+    def ask_on_control(msg):
+        if msg["msg_type"] == "stream" and "[rank0] go" in msg["content"]["text"] and not asked:
+            request = kernel.client.session.msg("kernel_info_request")
+            kernel.client.control_channel.send(request)
+            asked.append(request["header"]["msg_id"])
+
+    cell_code = cell("""
+        def train():
+            print("go", flush=True)
+            time.sleep(4)
+
+        nbaccel.notebook_launcher(train, num_processes=1)
+    """)
+    result = kernel.execute(cell_code, on_message=ask_on_control)
+    assert result.error is None, result.error_text
+    assert asked, "the rank's line never arrived"
+    control_idle = next(
+        m["received_at"]
+        for m in kernel.other_messages
+        if m["msg_type"] == "status"
+        and m["parent_header"].get("msg_id") == asked[0]
+        and m["content"]["execution_state"] == "idle"
+    )
+    busy_after = [
+        m
+        for m in kernel.statuses
+        if m["parent_header"].get("msg_id") == kernel.last_msg_id
+        and m["content"]["execution_state"] == "busy"
+        and m["received_at"] > control_idle
+    ]
+    assert busy_after, "after the control request's idle the kernel looked idle to the end"

@@ -119,3 +119,54 @@ def test_every_package_says_its_job_and_what_it_may_import():
 def test_every_module_says_its_job():
     missing = [m for m, p in _modules().items() if not ast.get_docstring(ast.parse(p.read_text()))]
     assert not missing, f"modules without a docstring: {missing}"
+
+
+# The one event loop (launch.loop.follow, driven by launch.Launch and %ranks cells alike) is the
+# only place that waits on the ranks' pipes; these bounded waits are not loops of a launch.
+WAITS_OUTSIDE_THE_LOOP = {
+    "nbaccel.launch.loop": "the loop",
+    "nbaccel.launch.relay": "collect_stacks: up to 2 s for stack dumps, inside a job's timeout",
+    "nbaccel.launch.session_start": "accept_ranks: the command sockets, before any job runs",
+    "nbaccel.launch.mirror": "the fork server's mirror socket, not the ranks' pipes",
+}
+
+
+def test_one_event_loop_waits_on_the_ranks():
+    bad = []
+    for module, path in _modules().items():
+        if not module.startswith("nbaccel.launch.") or module in WAITS_OUTSIDE_THE_LOOP:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "select":
+                bad.append(f"{module}:{node.lineno}")
+    assert not bad, f"selector waits outside launch.loop (a second event loop?): {bad}"
+
+
+def test_a_ranks_status_is_set_only_by_rank_state_move():
+    """``RankState.move`` is the state machine: nothing else assigns a rank's ``status``."""
+    bad = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if not (isinstance(t, ast.Attribute) and t.attr == "status"):
+                        continue
+                    own = isinstance(t.value, ast.Name) and t.value.id == "self"
+                    if not own or module not in (
+                        "nbaccel.core.launch_state",
+                        "nbaccel.ui.config_panel",
+                    ):
+                        bad.append(f"{module}:{node.lineno}")
+    assert not bad, f"a rank's status set outside RankState.move: {bad}"
+
+
+def test_a_launch_has_one_owner():
+    """``notebook_launcher`` runs a ``Launch``; nothing else in launch/ builds a RankGroup for
+    a launch's function (``%ranks`` sessions own theirs; XLA's ``make_group`` picks the kind)."""
+    owners = set()
+    for module, path in _modules().items():
+        text = path.read_text(encoding="utf-8")
+        if "make_group(" in text and module != "nbaccel.launch.xla":
+            owners.add(module)
+    assert owners == {"nbaccel.launch.launch"}, owners

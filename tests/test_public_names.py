@@ -15,8 +15,10 @@ import nbaccel
 PUBLIC = [
     "Accelerator",
     "ConfigError",
+    "Launch",
     "LaunchConfig",
     "LaunchError",
+    "LaunchStoppedError",
     "LaunchTimeoutError",
     "RankFailedError",
     "Ranks",

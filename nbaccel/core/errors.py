@@ -111,6 +111,23 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
         return (LaunchTimeoutError, (self.timeout, self.running, self.stacks))
 
 
+class LaunchStoppedError(LaunchError):
+    """A background launch was stopped with ``Launch.stop()``; its ranks were stopped and reaped."""
+
+    def __init__(self, world_size: int, elapsed: float) -> None:
+        self.world_size, self.elapsed = world_size, elapsed
+        super().__init__(
+            f"the launch was stopped with stop() after {elapsed:.1f} s; all {world_size} ranks "
+            "were stopped and nothing they started is running. Start it again to run it."
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"LaunchStoppedError: {self}"]
+
+    def __reduce__(self):
+        return (LaunchStoppedError, (self.world_size, self.elapsed))
+
+
 def load_exception(data: bytes | None) -> BaseException | None:
     """Unpickle a rank's exception, or ``None`` if that is not possible in the kernel."""
     if data is None:

@@ -18,8 +18,11 @@ import threading
 from typing import Any
 
 # The kernel sends this signal to a rank to have every thread's Python stack written to the
-# rank's diagnostic pipe (faulthandler, so it works while the rank is stuck in C code).
-STACK_DUMP_SIGNAL = signal.SIGUSR1
+# rank's diagnostic pipe (faulthandler, so it works while the rank is stuck in C code). A
+# real-time signal no scheduler or library claims: SIGUSR1/SIGUSR2 are SLURM's `--signal`
+# warnings and Lightning's or submitit's requeue handlers, which a rank must keep as theirs.
+# Without real-time signals (macOS) it is SIGUSR1, the only free one there.
+STACK_DUMP_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 
 
 @dataclasses.dataclass

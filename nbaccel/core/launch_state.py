@@ -1,7 +1,8 @@
 """What the kernel knows about a launch while it runs: its settings and each rank's state.
 
-The relay loop writes it; views only read it. Kept free of IPython and widgets so the text view,
-the dashboard and the final summary all render the same facts.
+The kernel's loop writes it (through the relay and the jobs); views only read it. Kept free of
+IPython and widgets so the text view, the dashboard and the final summary all render the same
+facts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ class RankStatus(_Text):
 
 
 STARTING, RUNNING, FINISHED, FAILED, STOPPED = RankStatus
+
+# The moves a rank's status may make (``RankState.move``, the one writer). A persistent rank
+# (``%ranks``) starts each cell again from any end; a failed rank stays failed when its process
+# exits afterwards.
+MOVES: dict[RankStatus, frozenset[RankStatus]] = {
+    STARTING: frozenset({RUNNING, FINISHED, FAILED, STOPPED}),
+    RUNNING: frozenset({FINISHED, FAILED, STOPPED}),
+    FINISHED: frozenset({RUNNING, FAILED, STOPPED}),
+    FAILED: frozenset({RUNNING}),
+    STOPPED: frozenset({RUNNING, FAILED}),
+}
 
 
 # How ranks' lines are labelled: torch elastic's template form, so ``nbaccel launch`` (torch's
@@ -147,6 +159,30 @@ class RankState:
     @property
     def done(self) -> bool:
         return self.status in (FINISHED, FAILED, STOPPED)
+
+    def move(self, status: RankStatus, now: float | None = None) -> None:
+        """Set the rank's status: the one place it changes. An end (finished, failed, stopped)
+        stamps ``ended_at``; a move back to running (a new ``%ranks`` cell) clears it. A move
+        ``MOVES`` does not allow is a bug in the kernel's side, raised as such.
+
+        >>> r = RankState(0)
+        >>> r.move(RUNNING); r.move(FAILED); r.move(FAILED); r.status
+        <RankStatus.FAILED: 'failed'>
+        >>> r.move(FINISHED)
+        Traceback (most recent call last):
+        ...
+        ValueError: rank 0 cannot go from failed to finished
+        """
+        if status == self.status:
+            return
+        if status not in MOVES[self.status]:
+            raise ValueError(f"rank {self.rank} cannot go from {self.status} to {status}")
+        now = time.monotonic() if now is None else now
+        self.status = status
+        if status == RUNNING:
+            self.ended_at = None
+        elif self.ended_at is None:
+            self.ended_at = now
 
     @property
     def elapsed(self) -> float:

@@ -37,6 +37,11 @@ ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
 MIRROR_ATTEMPTS = 3
 
 _server_lock = threading.Lock()
+# The kernel's side of the mirror is one conversation on one socket: one launch's rank starts
+# (HOLD, forks, GO) at a time, and no cell's offer meanwhile. A background launch can start
+# while another launch or a %ranks start does; two HOLDs at once lost each other's answers and
+# a launch waited until the mirror's silence deadline. RankGroup.start holds it.
+STARTS = threading.Lock()
 _server_modules: tuple[str, ...] = ()
 _ready_marker: str | None = None  # exists while the server started last is still importing
 _mirror: mirror.Mirror | None = None  # the mirror of the server started last, in a kernel
@@ -92,6 +97,14 @@ def ensure_server(extra_modules: tuple[str, ...] = (), restart: bool = False) ->
                 kernel_mirror.close()
 
 
+def lacks(extra_modules: tuple[str, ...]) -> bool:
+    """Whether :func:`ensure_server` would restart the server (stopping every rank forked from
+    it) to preload ``extra_modules``."""
+    wanted = (*SERVER_PRELOAD, *extra_modules, *SERVER_LAST)
+    alive = mp_internals.server_alive(mp_internals.forkserver_pid())
+    return alive and not set(wanted) <= set(_server_modules)
+
+
 @contextlib.contextmanager
 def ranks_starting(specs: Sequence[RankSpec], start_method: str) -> Iterator[None]:
     """Around the forks of a launch's ranks: wait until the server is ready and has imported
@@ -137,11 +150,15 @@ def follow_kernel(shell: Any) -> None:
 
 
 def _after_cell(*_: Any) -> None:
+    if not STARTS.acquire(blocking=False):
+        return  # a launch is starting ranks: its GO offers everything the kernel has
     try:
         if _mirror is not None:
             _mirror.offer(mirror.candidates())
     except Exception:  # noqa: BLE001 - warming is an optimisation; a cell must never fail
         pass
+    finally:
+        STARTS.release()
 
 
 def current_mirror() -> mirror.Mirror | None:

@@ -25,6 +25,8 @@ from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
 
+STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
+
 
 @dataclasses.dataclass
 class RankProcess:
@@ -90,7 +92,7 @@ class RankGroup:
         """
         ctx = multiprocessing.get_context(self.start_method)
         try:
-            with forkserver.ranks_starting(self.specs, self.start_method):
+            with forkserver.STARTS, forkserver.ranks_starting(self.specs, self.start_method):
                 for spec in self.specs:
                     self._start_answered(ctx, spec)
         except KeyboardInterrupt as exc:
@@ -159,7 +161,7 @@ class RankGroup:
                 pass
 
     # -- the one stop sequence: SIGTERM to every live rank and its children, SIGKILL after a
-    #    grace period. begin_stop/poll_stop never block (the relay loop calls them); stop()
+    #    grace period. begin_stop/poll_stop never block (the loop's RunJob calls them); stop()
     #    is the blocking form for cleanup paths.
 
     def begin_stop(self, grace: float) -> None:
@@ -174,7 +176,7 @@ class RankGroup:
         if self._kill_at is not None and time.monotonic() >= self._kill_at:
             self._signal_trees(signal.SIGKILL)
 
-    def stop(self, grace: float = 3.0) -> None:
+    def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop every rank: SIGTERM, SIGKILL after ``grace`` seconds, then reap them all."""
         self.begin_stop(grace)
         remaining = max(0.0, self._kill_at - time.monotonic())
@@ -195,12 +197,6 @@ class RankGroup:
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
             processes.signal_all(children, sig)
-
-    def collect_exit(self, r: RankProcess) -> int | None:
-        """The exit code of a rank whose sentinel fired (it can fire a moment before the status
-        is collectable under fork/spawn)."""
-        r.process.join(timeout=30)
-        return r.exitcode()
 
     def wait(self, timeout: float | None) -> bool:
         """Wait until every rank has exited or ``timeout`` passes; report whether all exited."""

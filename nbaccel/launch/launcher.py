@@ -1,29 +1,21 @@
 """``notebook_launcher``: run a function on N ranks from a notebook cell (or a script).
 
-The plan reads in three steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and
-serializes the job before anything starts (bad input never leaves a half-started launch),
-:func:`run_plan` starts the ranks and lets :class:`~nbaccel.launch.relay.Relay` follow them to
-the end, and rank 0's (or every rank's) return value is loaded in the kernel.
+Two steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and serializes the job
+before anything starts (bad input never leaves a half-started launch), then
+:class:`~nbaccel.launch.launch.Launch` runs it: here (``Launch(plan).run()``, rank 0's value)
+or, with ``block=False``, in the background (the ``Launch`` is returned at once).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbaccel.core import shared_tensors
 from nbaccel.core.config import LaunchConfig
-from nbaccel.core.errors import RankFailedError
-from nbaccel.core.launch_state import LaunchState, Outcome, RankState
-from nbaccel.launch import xla
-from nbaccel.launch.forkserver import ensure_server
-from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
-from nbaccel.launch.relay import Relay, load_payload
-from nbaccel.ui import View, choose_view
+from nbaccel.launch.launch import Launch
+from nbaccel.launch.plan import UNSET, resolve_plan
+from nbaccel.ui import View
 
 
 def notebook_launcher(
@@ -52,6 +44,7 @@ def notebook_launcher(
     preload: Sequence[str] = (),
     env: dict[str, str | None] | None = None,
     view: View | None = None,
+    block: bool = True,
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` ranks and return rank 0's return value.
 
@@ -69,6 +62,10 @@ def notebook_launcher(
     where each rank was. ``progress``: True (dashboard where widgets render, text elsewhere),
     "text", or False. ``preload`` names modules the fork server imports once so ranks start
     with them. ``env`` adds (or, with None, removes) the ranks' environment variables.
+    ``block=False`` returns a :class:`~nbaccel.launch.launch.Launch` at once and trains in the
+    background while other cells run: ``.result()`` waits for rank 0's value (or raises the
+    launch's error), ``.stop()``, ``.done()``, ``.status``, ``.metrics()``, ``await launch``
+    (see docs/background_launches.md).
 
     Example::
 
@@ -102,6 +99,7 @@ def notebook_launcher(
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         line_prefix=log_line_prefix_template,
+        block=block,
     )
 
 
@@ -126,43 +124,34 @@ def _launch(
     view: View | None,
     progress: bool | str,
     preload: Sequence[str],
+    block: bool = True,
     **options: Any,
 ) -> Any:
-    """Plan (every check before anything starts), run (with restarts), load the results."""
+    """Plan (every check before anything starts), then run the launch here or in the background."""
     __tracebackhide__ = True
     try:
-        plan = resolve_plan(function, args, kwargs if kwargs is not None else {}, **options)
+        plan = resolve_plan(
+            function, args, kwargs if kwargs is not None else {}, preload=preload, **options
+        )
     except (TypeError, ValueError, RuntimeError, OSError) as exc:
-        if os.environ.get("NBACCEL_DEBUG"):
-            raise
+        if os.environ.get("NBACCEL_DEBUG") or not _raised_by_nbaccel(exc):
+            raise  # a library's error inside the checks (a bug, or its own): its frames matter
         _raise_short(exc)
-    try:
-        payloads = _run_with_restarts(plan, view, progress, preload)
-        if options.get("return_all"):
-            return [load_payload(s.rank, payloads.get(s.rank)) for s in plan.specs]
-        return load_payload(0, payloads.get(0)) if plan.info.node_rank == 0 else None
-    finally:  # shared memory of arguments and of results that were never loaded
-        shared_tensors.release(plan.specs[0].transfer if plan.specs else None)
+    launch = Launch(plan, view, progress, return_all=bool(options.get("return_all")))
+    return launch.run() if block else launch.start()
 
 
-def _run_with_restarts(
-    plan: LaunchPlan, view: View | None, progress: bool | str, preload: Sequence[str]
-) -> dict[int, bytes | None]:
-    """``run_plan``, and again (all ranks, each attempt a fresh view) after a rank fails, up to
-    ``plan.max_restarts`` times; the last failure is raised."""
-    __tracebackhide__ = True
-    for restart in range(1, plan.max_restarts + 1):
-        try:
-            return run_plan(plan, view if view is not None else choose_view(progress), preload)
-        except RankFailedError as exc:
-            what = exc.exc_type.rsplit(".", 1)[-1] if exc.exc_type else "it exited"
-            print(
-                f"nbaccel: rank {exc.rank} failed ({what}); restarting all "
-                f"{len(plan.specs)} ranks (restart {restart} of {plan.max_restarts})",
-                file=sys.stderr,
-                flush=True,
-            )
-    return run_plan(plan, view if view is not None else choose_view(progress), preload)
+def _raised_by_nbaccel(exc: BaseException) -> bool:
+    """Whether nbaccel's own code raised ``exc`` (one of its checks, whose message says what
+    to do), not a library it called; the innermost frame tells.
+
+    >>> _raised_by_nbaccel(ValueError("made here, never raised"))
+    False
+    """
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("nbaccel.")
 
 
 # Raise `exc` without nbaccel's frames below: bad input (plan.py, config, capabilities) or a
@@ -171,38 +160,3 @@ def _run_with_restarts(
 # the innermost, and shows the lines of its function: so no docstring here).
 def _raise_short(exc: BaseException) -> None:
     raise exc.with_traceback(None)
-
-
-def run_plan(plan: LaunchPlan, view: View, preload: Sequence[str] = ()) -> dict[int, bytes | None]:
-    """Start the planned ranks and relay them to ``view`` until the end; return their payloads."""
-    __tracebackhide__ = True
-    state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
-    group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)  # RankGroup
-    # The view first: the fork server may still be importing torch (the first launch after the
-    # import cell), and a cell must not stay blank meanwhile.
-    view.start(state)
-    try:
-        if plan.info.start_method == "forkserver":
-            ensure_server(tuple(preload))
-        group.start()  # stops what it started on any failure
-    except BaseException as exc:
-        state.outcome = (
-            Outcome.INTERRUPTED if isinstance(exc, KeyboardInterrupt) else Outcome.FAILED
-        )
-        state.ended_at = time.monotonic()
-        with contextlib.suppress(Exception):
-            view.finish()
-        if isinstance(exc, KeyboardInterrupt):  # its message says what was stopped
-            _raise_short(exc)
-        raise
-    # The ranks' clocks start with the ranks: a wait for the fork server (its imports) is no
-    # stall, and a stack request then would kill ranks that have no handler for it yet.
-    started = time.monotonic()
-    for rank_state in state.ranks.values():
-        rank_state.started_at = started
-    try:
-        return Relay(group, state, view, plan.timeout).run(view_started=True)
-    except KeyboardInterrupt:
-        # Every rank is stopped and reaped by now; the relay's frames would only be noise.
-        n = len(plan.specs)
-        raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None

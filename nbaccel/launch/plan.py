@@ -32,6 +32,7 @@ class LaunchPlan:
     timeout: float | None
     xla_threads: bool = False  # XLA devices as threads of one host process (launch.xla)
     max_restarts: int = 0  # relaunches of the whole group after a rank fails
+    preload: tuple[str, ...] = ()  # modules the fork server imports once for every rank
 
 
 def resolve_plan(
@@ -55,6 +56,7 @@ def resolve_plan(
     max_restarts: Any = UNSET,
     monitor_interval: float = 0.1,
     line_prefix: str | None = None,
+    preload: Sequence[str] = (),
 ) -> LaunchPlan:
     """Check the inputs and build the plan; nothing is started. The defaults are
     ``notebook_launcher``'s: one machine, settings from the config or its default. ``cpu``
@@ -66,6 +68,7 @@ def resolve_plan(
             f"got {type(function).__name__}."
         )
     _check_elastic_options(rdzv_backend, monitor_interval, line_prefix)
+    preload = _check_preload(preload)
     cfg = _resolve_config(config, num_processes, mixed_precision, start_method, max_restarts)
     nprocs = _resolve_num_processes(cfg.num_processes)
     check_int("node_rank", node_rank, 0)
@@ -124,7 +127,28 @@ def resolve_plan(
     ]
     # -- XLA (PJRT_DEVICE set, or a TPU host): ranks as PJRT expects them (nbaccel.launch.xla)
     info, specs, xla_threads = xla.adapt_plan(info, specs)
-    return LaunchPlan(info, specs, timeout, xla_threads, cfg.max_restarts)
+    return LaunchPlan(info, specs, timeout, xla_threads, cfg.max_restarts, preload)
+
+
+def _check_preload(preload: Any) -> tuple[str, ...]:
+    """``preload`` as module names, or a TypeError saying what it must be.
+
+    >>> _check_preload(["transformers", "datasets"])
+    ('transformers', 'datasets')
+    """
+    names = (preload,) if isinstance(preload, str) else preload
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = None
+    if names is None or not all(
+        isinstance(n, str) and all(p.isidentifier() for p in n.split(".")) for n in names
+    ):
+        raise TypeError(
+            f"preload must be a list of module names, e.g. preload=['transformers'], got "
+            f"{preload!r}."
+        )
+    return names
 
 
 def _check_elastic_options(rdzv_backend: Any, monitor_interval: Any, line_prefix: Any) -> None:

@@ -35,9 +35,9 @@ from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.forkserver import ensure_server
-from nbaccel.launch.group import RankGroup
+from nbaccel.launch.group import STOP_GRACE, RankGroup
 from nbaccel.launch.plan import UNSET, LaunchPlan
-from nbaccel.launch.relay import STOP_GRACE, Relay, load_payload
+from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.session_cell import (
     CellError,
     CellTimeoutError,
@@ -49,6 +49,7 @@ from nbaccel.launch.session_cell import (
 from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.launch.session_status import StatusTable, rank_rows
 from nbaccel.ui import View, widget_frontend
+from nbaccel.ui.busy import BusyBeacon
 from nbaccel.ui.cell_view import CellView
 
 
@@ -142,11 +143,12 @@ class Ranks:
             if self._plan.info.start_method == "forkserver":
                 ensure_server()
             self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
-            self._group.start()
-            state = LaunchState(  # its clocks start with the ranks (as in launcher.run_plan)
+            with BusyBeacon():  # it may wait for a warming fork server
+                self._group.start()
+            state = LaunchState(  # its clocks start with the ranks (as in Launch._attempt)
                 self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
             )
-            self._relay = Relay(self._group, state, CellTextView(), None)
+            self._relay = Relay(self._group, state, CellTextView())
             self._relay.register()
             self._connections = accept_ranks(server, self._relay)
             self._set_up()
@@ -207,8 +209,8 @@ class Ranks:
                 group.stop(grace=min(grace, 1.0))
             group.reap()
         if relay is not None:
-            with contextlib.suppress(Exception):
-                for r in group.ranks if group else []:
+            for r in group.ranks if group else []:
+                with contextlib.suppress(OSError, ValueError):  # pipes closed by a dead rank
                     relay.drain(r)
             relay.selector.close()
         for conn in self._connections.values():
@@ -338,7 +340,8 @@ class Ranks:
         relay.view.start(relay.state)
         outcome = Outcome.FAILED
         try:
-            done = run_command(relay, self._connections, command, selected, limit, notify)
+            with BusyBeacon():
+                done = run_command(relay, self._connections, command, selected, limit, notify)
             outcome = Outcome.FINISHED
         except CellTimeoutError:
             outcome = Outcome.TIMED_OUT
@@ -353,8 +356,7 @@ class Ranks:
         finally:
             self.running = None
             finish_state(relay.state, outcome)
-            with contextlib.suppress(Exception):
-                relay.view.finish()
+            relay.view.finish()
         return [done[r] for r in selected]
 
     def _note(self, done: Done) -> None:

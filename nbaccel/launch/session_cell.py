@@ -24,17 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
-from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.core.local_traceback import name_cell
 from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
-from nbaccel.launch import root_cause
+from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay
 
-TICK = 0.05
 COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
 INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT
 DOUBLE_PRESS = 1.0  # s after an interrupt in which another one is the same impatient press
@@ -107,13 +105,20 @@ def run_command(
 ) -> dict[int, Done]:
     """Send ``command`` to ``ranks`` and follow them until each answered; see the module doc."""
     __tracebackhide__ = True
-    return _Follow(relay, connections, command, ranks, timeout, on_reply).run()
+    job = CellJob(relay, connections, command, ranks, timeout, on_reply)
+    job.send()
+    loop.follow(relay, job)
+    return job.verdict()
 
 
-class _Follow:
+class CellJob:
+    """One command on persistent ranks, for :func:`nbaccel.launch.loop.follow`: its policies
+    are a cell's (an interrupt reaches the cell's code, a half-done collective or a dead rank
+    breaks the ranks, a timeout interrupts the cell after collecting its stacks)."""
+
     def __init__(self, relay, connections, command, ranks, timeout, on_reply) -> None:
         self.relay, self.connections, self.command = relay, connections, command
-        self.ranks, self.timeout, self.on_reply = ranks, timeout, on_reply
+        self.ranks, self.timeout, self.on_reply_done = ranks, timeout, on_reply
         self.processes = {r.rank: r for r in relay.group.ranks}
         self.done: dict[int, Done] = {}
         self.blocked: dict[int, tuple[Blocked, float]] = {}
@@ -124,7 +129,7 @@ class _Follow:
     def pending(self) -> list[int]:
         return [r for r in self.ranks if r not in self.done]
 
-    def run(self) -> dict[int, Done]:
+    def send(self) -> None:
         if self.command.code is not None:  # the rank's traceback then shows the cell's lines
             name = cell_filename(self.command.cell)
             code = self.command.kernel_source or self.command.code
@@ -138,35 +143,27 @@ class _Follow:
             for rank in self.ranks:
                 try:
                     self.connections[rank].send_bytes(data)
-                except OSError:
-                    self._on_exit(rank)
+                except OSError:  # it is dying: the loop gets its exit
+                    pass
         if pressed:
             self._interrupt()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while self.pending:
-            try:
-                self._step()
-                if deadline is not None and time.monotonic() > deadline and self.stacks is None:
-                    self._time_out()
-            except KeyboardInterrupt:
-                if self.interrupted_at is None:
-                    self._interrupt()
-                elif time.monotonic() - self.interrupted_at > DOUBLE_PRESS:
-                    raise RanksBrokenError("a second interrupt stopped them") from None
-        return self._verdict()
 
-    def _step(self) -> None:
-        for key, _ in self.relay.selector.select(TICK):
-            r, kind = key.data
-            if kind == "reply":
-                self._on_reply(r.rank)
-            elif kind == "exit":
-                self._on_exit(r.rank)
-            else:
-                self.relay.read(r, kind)
+    # -- what loop.follow asks -------------------------------------------------------------
+
+    def finished(self) -> bool:
+        return not self.pending
+
+    def on_reply(self, r: RankProcess) -> None:
+        self._on_reply(r.rank)
+
+    def on_exit(self, r: RankProcess, code: int | None) -> None:
+        crash = crash_stack(self.relay.state.ranks[r.rank].diag)
+        raise RanksBrokenError(
+            f"rank {r.rank} {describe_exit(code)}", self._stack_text() + crash, self._failures()
+        )
+
+    def check(self) -> None:
         self._check_collectives()
-        if self.relay.state.wants_stacks():  # stalled: each rank writes its stack, as launches do
-            self.relay.group.send_signal(self._alive_pending(), STACK_DUMP_SIGNAL)
         if (
             self.interrupted_at is not None
             and time.monotonic() > self.interrupted_at + INTERRUPT_GRACE
@@ -177,7 +174,21 @@ class _Follow:
                 "(stuck in C code or a collective)",
                 self._stack_text(),
             )
-        self.relay.view.update()
+
+    def on_timeout(self) -> None:
+        dumps = self.relay.stacks_now(self.running())
+        self.stacks = {rank: cell_stack(dump) for rank, dump in dumps.items()}
+        self._interrupt()
+
+    def on_interrupt(self) -> None:
+        if self.interrupted_at is None:
+            self._interrupt()
+        elif time.monotonic() - self.interrupted_at > DOUBLE_PRESS:
+            raise RanksBrokenError("a second interrupt stopped them") from None
+
+    def running(self) -> list[RankProcess]:
+        """The ranks still running this cell."""
+        return [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
 
     def _on_reply(self, rank: int) -> None:
         try:
@@ -195,15 +206,16 @@ class _Follow:
             self.blocked.pop(rank, None)
             self.done[rank] = message
             state = self.relay.state.ranks[rank]
-            state.ended_at = time.monotonic()
-            state.status = FAILED if message.failure is not None else FINISHED
             if message.interrupted:
-                state.status = STOPPED
+                state.move(STOPPED)
             elif message.failure is not None:
+                state.move(FAILED)
                 f = message.failure
                 state.error_line = describe_raise(f.exc_type, f.message).splitlines()[0][:200]
+            else:
+                state.move(FINISHED)
             self._drain_output(rank)
-            self.on_reply(message)
+            self.on_reply_done(message)
 
     def _drain_output(self, rank: int) -> None:
         """The rank flushed its output before answering: show all of it in this cell."""
@@ -214,16 +226,6 @@ class _Follow:
                     pass
         # A cell's unfinished last line (print(..., end=""), an input() prompt) is this cell's.
         self.relay.flush_partial(rank)
-
-    def _on_exit(self, rank: int) -> None:
-        r = self.processes[rank]
-        with contextlib.suppress(OSError, ValueError):
-            self.relay.drain(r)
-        code = self.relay.group.collect_exit(r)
-        crash = crash_stack(self.relay.state.ranks[rank].diag)
-        raise RanksBrokenError(
-            f"rank {rank} {describe_exit(code)}", self._stack_text() + crash, self._failures()
-        )
 
     def _check_collectives(self) -> None:
         now = time.monotonic()
@@ -255,25 +257,9 @@ class _Follow:
             "collective can never complete"
         )
 
-    def _alive_pending(self) -> list[RankProcess]:
-        """The ranks still running this cell."""
-        return [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
-
     def _interrupt(self) -> None:
         self.interrupted_at = time.monotonic()
-        alive = self._alive_pending()
-        self.relay.group.send_signal(alive, signal.SIGINT)
-
-    def _time_out(self) -> None:
-        alive = self._alive_pending()
-        state = self.relay.state
-        before = {r.rank: len(state.ranks[r.rank].diag) for r in alive}
-        self.relay.group.send_signal(alive, STACK_DUMP_SIGNAL)
-        self.relay.collect_stacks(alive)
-        self.stacks = {
-            r.rank: cell_stack(state.ranks[r.rank].diag[before[r.rank] :]) for r in alive
-        }
-        self._interrupt()
+        self.relay.group.send_signal(self.running(), signal.SIGINT)
 
     def _stack_text(self) -> str:
         if not self.stacks:
@@ -287,7 +273,7 @@ class _Follow:
         """Rank -> the traceback of this cell where it raised."""
         return {d.rank: d.failure.traceback for d in self.done.values() if d.failure is not None}
 
-    def _verdict(self) -> dict[int, Done]:
+    def verdict(self) -> dict[int, Done]:
         if self.stacks is not None:
             raise CellTimeoutError(self.timeout or 0.0, sorted(self.stacks), self.stacks)
         if self.interrupted_at is not None or any(d.interrupted for d in self.done.values()):
@@ -325,7 +311,8 @@ def reset_state(state: LaunchState, ranks: list[int]) -> None:
     state.longest_stall, state.stacks_requested_at = 0.0, None  # this cell's stalls only
     for rank in ranks:
         s = state.ranks[rank]
-        s.status, s.started_at, s.ended_at, s.error_line = RUNNING, now, None, None
+        s.move(RUNNING)
+        s.started_at, s.error_line = now, None
         # What the views show is this cell's: bars, metrics, chart, counters, crash report.
         s.bars.clear()
         s.metrics.clear()
@@ -340,7 +327,7 @@ def finish_state(state: LaunchState, outcome: Outcome) -> None:
     state.outcome, state.ended_at = outcome, now
     for s in state.ranks.values():
         if s.status == RUNNING:
-            s.status, s.ended_at = STOPPED, now
+            s.move(STOPPED, now)
 
 
 def cell_stack(dump: str) -> str:

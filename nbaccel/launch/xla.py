@@ -143,6 +143,7 @@ class ThreadHostGroup(RankGroup):
         ctx = __import__("multiprocessing").get_context(self.start_method)
         try:
             with (
+                forkserver.STARTS,
                 forkserver.ranks_starting(self.specs, self.start_method),
                 containment.sigint_deferred(),
             ):

@@ -1,0 +1,338 @@
+"""One launch, from its first rank start to its last rank reaped: :class:`Launch` owns it.
+
+Shaped like torch elastic's ``PContext`` (one object starts, polls and stops the workers):
+a ``Launch`` holds the plan, the fork server it starts ranks from, each attempt's rank group,
+relay and view, and runs the one event loop (``launch.loop``) with a :class:`RunJob`, whose
+policies are a launch's: the first failure stops the other ranks; the timeout collects every
+live rank's stack and raises; ``.stop()`` stops them all. Whatever happens, every rank is reaped
+and what the ranks left running is swept (``launch.containment``) before the attempt returns.
+
+Blocking, ``Launch(plan).run()`` is ``notebook_launcher``. In the background
+(``notebook_launcher(..., block=False)``) the same run happens in a thread, in the launching
+cell's context (so its output and dashboard stay in that cell); the ``Launch`` is the handle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import sys
+import threading
+import time
+from collections.abc import Generator
+from typing import Any
+
+from nbaccel.core import shared_tensors
+from nbaccel.core.errors import (
+    LaunchError,
+    LaunchStoppedError,
+    LaunchTimeoutError,
+    RankFailedError,
+)
+from nbaccel.core.failures import describe_exit
+from nbaccel.core.launch_state import LaunchState, Outcome, RankState
+from nbaccel.core.launch_state import RankStatus as Status
+from nbaccel.launch import containment, forkserver, loop, root_cause, xla
+from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.group import STOP_GRACE, RankGroup, RankProcess
+from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.relay import Relay, load_payload, server_gone
+from nbaccel.ui import View, choose_view
+from nbaccel.ui.busy import BusyBeacon
+
+
+class RunJob:
+    """A launch's function on every rank, for :func:`nbaccel.launch.loop.follow`."""
+
+    def __init__(self, relay: Relay, timeout: float | None, stopping: threading.Event) -> None:
+        self.relay, self.group, self.state = relay, relay.group, relay.state
+        self.timeout = timeout
+        self.stopping = stopping  # set by Launch.stop (another thread)
+
+    def finished(self) -> bool:
+        return all(rank.done for rank in self.state.ranks.values())
+
+    def on_reply(self, r: RankProcess) -> None:  # a launch has no command connections
+        pass
+
+    def on_exit(self, r: RankProcess, code: int | None) -> None:
+        rank = self.state.ranks[r.rank]
+        rank.exitcode, rank.ended_at = code, time.monotonic()
+        if rank.status == Status.FAILED:
+            error = next(e for k, e in self.relay.failures if k == r.rank)
+            error.exitcode = code
+        elif code == 0 and r.rank in self.relay.payloads:
+            rank.move(Status.FINISHED)
+        elif self.group.was_stopped(r.rank):
+            rank.move(Status.STOPPED)
+        else:
+            what = describe_exit(code) if code != 0 else "exited without reporting a result"
+            if code == 255 and self.group.start_method == "forkserver" and server_gone():
+                # multiprocessing's stand-in status: the server that reports it is gone
+                what = "ended when its fork server died (its own exit status is unknown)"
+            crash = root_cause.without_plumbing(rank.diag.strip())
+            error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
+            self.relay.record_failure(r.rank, error, what)
+
+    def check(self) -> None:
+        if self.relay.failures or self.stopping.is_set():
+            self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
+        self.group.poll_stop()
+
+    def on_timeout(self) -> None:
+        if self.relay.failures:  # the failure ends the launch; it is what to report
+            return
+        alive = self.group.alive()
+        stacks = {
+            k: root_cause.without_plumbing(v) for k, v in self.relay.stacks_now(alive).items()
+        }
+        self.state.outcome = Outcome.TIMED_OUT
+        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
+
+    def on_interrupt(self) -> None:
+        raise KeyboardInterrupt
+
+    def running(self) -> list[RankProcess]:
+        return self.group.alive()
+
+
+class Launch:
+    """One launch of ``plan``: run it here (:meth:`run`) or in the background (:meth:`start`).
+
+    In the background the launch is a handle, like a future: ``done()``, ``wait()``,
+    ``result()`` (rank 0's value, or the error a blocking launch raises), ``stop()``,
+    ``await launch``, and the live ``status``/``ranks``/``metrics()``.
+
+    Example::
+
+        launch = nbaccel.notebook_launcher(train, num_processes=2, block=False)
+        launch.status             # 'running'
+        launch.metrics()[-1]      # rank 0's last nbaccel.log(...) values, e.g. {'step': 9, ...}
+        launch.result()           # waits; rank 0's return value
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        view: View | None = None,
+        progress: bool | str = True,
+        return_all: bool = False,
+    ) -> None:
+        self.plan = plan
+        self._view, self._progress = view, progress
+        self._return_all = return_all
+        self.state: LaunchState | None = None  # the current attempt's (views read it too)
+        self._stopping = threading.Event()
+        self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._thread: threading.Thread | None = None
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self) -> Any:
+        """Run the launch to its end here; rank 0's value (every rank's with ``return_all``)."""
+        __tracebackhide__ = True
+        try:
+            with BusyBeacon():  # in a kernel's main thread: the cell is busy to the end
+                payloads = self._attempts()
+            if self._return_all:
+                return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
+            return load_payload(0, payloads.get(0)) if self.plan.info.node_rank == 0 else None
+        finally:  # shared memory of arguments and of results that were never loaded
+            shared_tensors.release(self.plan.specs[0].transfer if self.plan.specs else None)
+
+    def start(self) -> Launch:
+        """Run the launch in a background thread and return at once (``block=False``).
+
+        The thread runs in this cell's context, so the launch's view and lines stay in this
+        cell whichever cell runs meanwhile; the kernel's Stop button, which interrupts the
+        main thread, does not reach it (``stop()`` does). A kernel that dies takes the ranks
+        with it (the fork server stops everything below it when the kernel is gone).
+        """
+        if self._thread is not None:
+            raise RuntimeError("this launch was started already; make a new one to run again")
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._background,), name="nbaccel-launch", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _background(self) -> None:
+        if not self._future.set_running_or_notify_cancel():
+            return
+        try:
+            value = self.run()
+        except BaseException as exc:  # noqa: BLE001 - every ending is the result's to raise
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(value)
+
+    def _attempts(self) -> dict[int, bytes | None]:
+        """An attempt, and again (all ranks, each attempt a fresh view) after a rank fails, up
+        to ``plan.max_restarts`` times; the last failure is raised."""
+        __tracebackhide__ = True
+        for restart in range(1, self.plan.max_restarts + 1):
+            try:
+                return self._attempt()
+            except RankFailedError as exc:
+                if self._stopping.is_set():
+                    raise
+                what = exc.exc_type.rsplit(".", 1)[-1] if exc.exc_type else "it exited"
+                print(
+                    f"nbaccel: rank {exc.rank} failed ({what}); restarting all "
+                    f"{len(self.plan.specs)} ranks (restart {restart} of {self.plan.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return self._attempt()
+
+    def _attempt(self) -> dict[int, bytes | None]:
+        """Start the planned ranks and follow them to the end; return their payloads."""
+        __tracebackhide__ = True
+        plan = self.plan
+        view = self._view if self._view is not None else choose_view(self._progress)
+        state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
+        self.state = state
+        group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)
+        # The view first: the fork server may still be importing torch (the first launch after
+        # the import cell), and a cell must not stay blank meanwhile.
+        view.start(state)
+        try:
+            if plan.info.start_method == "forkserver":
+                _refuse_restart_under(plan.preload)
+                forkserver.ensure_server(plan.preload)
+            group.start()  # stops what it started on any failure
+        except BaseException as exc:
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            state.outcome = Outcome.INTERRUPTED if interrupted else Outcome.FAILED
+            state.ended_at = time.monotonic()
+            view.finish()
+            if interrupted:  # its message says what was stopped
+                raise exc.with_traceback(None)  # noqa: B904 - nbaccel's frames are noise here
+            raise
+        # The ranks' clocks start with the ranks: a wait for the fork server (its imports) is
+        # no stall, and a stack request then would kill ranks that have no handler for it yet.
+        started = time.monotonic()
+        for rank_state in state.ranks.values():
+            rank_state.started_at = started
+        try:
+            return self._follow(Relay(group, state, view))
+        except KeyboardInterrupt:
+            # Every rank is stopped and reaped by now; the loop's frames would only be noise.
+            n = len(plan.specs)
+            raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
+
+    def _follow(self, relay: Relay) -> dict[int, bytes | None]:
+        """The loop with a :class:`RunJob`; then stop, reap and sweep, whatever happened."""
+        group, state = relay.group, relay.state
+        try:
+            relay.register()
+            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping))
+            state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
+        except BaseException:
+            state.outcome = state.outcome or Outcome.INTERRUPTED
+            with sigint_deferred(reraise=False):  # a second Ctrl-C must not cut cleanup short
+                group.stop(grace=STOP_GRACE)
+                relay.drain_all()
+            raise
+        finally:
+            with sigint_deferred():  # teardown is not cut short; a Ctrl-C is raised after it
+                _reap(group)
+                failure = relay.first_failure() if relay.failures else None  # before the summary
+                if failure is None and self._stopping.is_set():
+                    state.outcome = Outcome.INTERRUPTED
+                relay.close()
+                relay.warn_leftovers()
+                relay.view.finish()  # after the cleanup: a view's error is a bug to see
+        if failure is not None and not self._stopping.is_set():
+            raise failure
+        if self._stopping.is_set():
+            raise LaunchStoppedError(len(self.plan.specs), state.elapsed)
+        return relay.payloads
+
+    # -- the handle of a background launch --------------------------------------------------
+
+    def done(self) -> bool:
+        """Whether the launch has ended (finished, failed, stopped or timed out)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the launch has ended or ``timeout`` seconds passed; whether it ended."""
+        concurrent.futures.wait([self._future], timeout)
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's return value once the launch has ended, or the error a blocking launch
+        would have raised (``RankFailedError``, ``LaunchTimeoutError``, ...); a
+        ``TimeoutError`` if it is still running after ``timeout`` seconds."""
+        __tracebackhide__ = True
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"the launch is still running after {timeout:g} s (status: {self.status}); "
+                "call result() again, or stop() it"
+            ) from None
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop every rank (SIGTERM, SIGKILL after a grace) and wait until all are reaped and
+        nothing they started runs; ``result()`` then raises ``LaunchStoppedError``."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        import asyncio
+
+        return asyncio.wrap_future(self._future).__await__()
+
+    @property
+    def status(self) -> str:
+        """'starting', 'running', or how it ended: 'finished', 'failed', 'interrupted' (also
+        after ``stop()``), 'timed out'."""
+        state = self.state
+        if self.done():
+            return str(state.outcome if state is not None and state.outcome else Outcome.FAILED)
+        if state is not None and any(r.status != Status.STARTING for r in state.ranks.values()):
+            return "running"
+        return "starting"
+
+    @property
+    def ranks(self) -> dict[int, str]:
+        """Each rank's status now ('starting', 'running', 'finished', 'failed', 'stopped')."""
+        state = self.state
+        if state is None:
+            return {s.rank: str(Status.STARTING) for s in self.plan.specs}
+        return {rank: str(s.status) for rank, s in sorted(state.ranks.items())}
+
+    def metrics(self, rank: int = 0) -> list[dict[str, float]]:
+        """What ``rank`` logged so far with ``nbaccel.log``/``Accelerator.log``, one dict per
+        call with its ``step``: ready for ``pandas.DataFrame(...)`` or a plot."""
+        state = self.state
+        if state is None or rank not in state.ranks:
+            return []
+        return [{"step": step, **values} for step, values in list(state.ranks[rank].history)]
+
+    def __repr__(self) -> str:
+        ranks = ", ".join(f"rank {r} {s}" for r, s in self.ranks.items())
+        elapsed = f", {self.state.elapsed:.1f} s" if self.state is not None else ""
+        return f"<nbaccel.Launch {self.status}: {ranks}{elapsed}>"
+
+
+def _refuse_restart_under(preload: tuple[str, ...]) -> None:
+    """A fork server restarted for ``preload`` would stop every rank forked from it: refuse
+    while another launch (in the background) or a ``%ranks`` session has ranks running."""
+    if containment.LIVE_RANKS and forkserver.lacks(preload):
+        pids = ", ".join(map(str, sorted(containment.LIVE_RANKS)))
+        raise LaunchError(
+            f"preload={list(preload)!r} needs a fresh fork server, which would stop the ranks "
+            f"already running from this one (pids {pids}: a background launch or a %ranks "
+            "session). Wait for them (launch.result()) or stop them (launch.stop(), `%ranks "
+            "stop`) first, or launch without preload=."
+        )
+
+
+def _reap(group: RankGroup) -> None:
+    if group.alive():
+        group.stop(grace=0)
+    group.reap()

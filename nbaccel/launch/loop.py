@@ -1,0 +1,84 @@
+"""The one event loop of the kernel's side: follow live ranks until a job says it is done.
+
+A *job* is what the ranks are doing for the kernel: a launch's function (``launch.launch``'s
+``RunJob``) or one ``%ranks`` cell (``launch.session_cell``'s ``CellJob``). :func:`follow` waits on
+every rank's pipes, exit sentinels and the job's own connections at once, hands what arrives to
+the relay (output, events) or the job (replies, exits), and applies the policies every job
+shares, here and nowhere else:
+
+- **timeout**: past ``job.timeout`` seconds the job's ``on_timeout`` runs once (it collects the
+  ranks' stacks, then raises or interrupts);
+- **stall**: when the state says the ranks stalled, the job's running ranks are asked for their
+  Python stacks (``STACK_DUMP_SIGNAL``, on their diagnostic pipes);
+- **exit status**: a rank's sentinel can fire a moment before its status is collectable; the
+  loop goes on reading the other ranks meanwhile (never a blocking join) and hands the exit to
+  the job once the status is there (or after ``EXIT_STATUS_WAIT``);
+- **Ctrl-C**: a ``KeyboardInterrupt`` inside the loop goes to the job's ``on_interrupt`` (a
+  launch re-raises it; a cell interrupts its ranks and goes on).
+
+The job's own policies (stop the other ranks at the first failure; a collective left half-done)
+run in its ``check`` each turn. The view is updated each turn, at its own bounded rate.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from nbaccel.core.events import STACK_DUMP_SIGNAL
+from nbaccel.launch.group import RankProcess
+from nbaccel.launch.relay import Relay
+
+TICK = 0.05  # seconds between turns while nothing arrives
+EXIT_STATUS_WAIT = 30.0  # s a rank's exit status may lag behind its sentinel
+
+
+class Job(Protocol):
+    """What :func:`follow` asks of a job (see the module docstring)."""
+
+    timeout: float | None
+
+    def finished(self) -> bool: ...
+
+    def on_reply(self, r: RankProcess) -> None: ...
+
+    def on_exit(self, r: RankProcess, code: int | None) -> None: ...
+
+    def check(self) -> None: ...
+
+    def on_timeout(self) -> None: ...
+
+    def on_interrupt(self) -> None: ...
+
+    def running(self) -> list[RankProcess]: ...
+
+
+def follow(relay: Relay, job: Job) -> None:
+    """Run the loop until ``job.finished()``; the job's own errors propagate."""
+    deadline = None if job.timeout is None else time.monotonic() + job.timeout
+    exiting: dict[int, tuple[RankProcess, float]] = {}  # sentinel fired, status not yet there
+    while not job.finished():
+        try:
+            for key, _ in relay.selector.select(TICK):
+                r, kind = key.data
+                if kind == "exit":
+                    relay.unwatch(r.sentinel)
+                    exiting[r.rank] = (r, time.monotonic())
+                elif kind == "reply":
+                    job.on_reply(r)
+                else:
+                    relay.read(r, kind)
+            for rank, (r, since) in list(exiting.items()):
+                if r.exitcode() is not None or time.monotonic() - since > EXIT_STATUS_WAIT:
+                    del exiting[rank]
+                    relay.drain(r)
+                    job.on_exit(r, r.exitcode())
+            job.check()
+            if deadline is not None and time.monotonic() > deadline:
+                deadline = None  # once
+                job.on_timeout()
+            if relay.state.wants_stacks():
+                relay.group.send_signal(job.running(), STACK_DUMP_SIGNAL)
+            relay.view.update()
+        except KeyboardInterrupt:
+            job.on_interrupt()
