@@ -17,6 +17,7 @@ import selectors
 import sys
 import time
 import warnings
+from types import FrameType
 from typing import Any
 
 from nbaccel.core import events, mp_internals
@@ -258,7 +259,8 @@ def load_payload(rank: int, payload: bytes | None) -> Any:
 
 def _caller() -> int:
     """The ``stacklevel`` of the first frame outside nbaccel: the user's cell, for a warning."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith("nbaccel."):
         frame, level = frame.f_back, level + 1
     return level
