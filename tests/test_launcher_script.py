@@ -46,6 +46,39 @@ def test_plain_script_with_main_guard(tmp_path):
     assert "RESULT 42" in done.stdout
 
 
+def test_a_script_without_a_main_guard_runs_its_top_level_once(tmp_path):
+    # As under Accelerate's launcher (a fork): the ranks do not run the script again, so its
+    # banner prints once, its data loads once, and the launch needs no guard (it launched again
+    # inside every rank: multiprocessing's bootstrapping error, 150 lines of it).
+    script = tmp_path / "noguard.py"
+    script.write_text(
+        textwrap.dedent("""
+        import os
+        import nbaccel
+
+        print("TOP LEVEL in", os.getpid())
+        SCALE = 3
+
+        class Scaler:
+            def __call__(self, v):
+                return v * SCALE
+
+        def train(v):
+            import pickle, torch.distributed as dist
+            dist.init_process_group("gloo")
+            again = pickle.loads(pickle.dumps(Scaler()))  # found in __main__ by reference
+            return again(v) + dist.get_world_size()
+
+        print("RESULT", nbaccel.notebook_launcher(train, args=(10,), num_processes=2))
+    """)
+    )
+    done = run_script(script)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("TOP LEVEL in") == 1, done.stdout
+    assert "RESULT 32" in done.stdout
+    assert "bootstrapping" not in done.stderr
+
+
 def test_failing_script_exits_nonzero_naming_the_rank(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import psutil
 
+# The multiprocessing name of a rank's process: "nbaccel-rank0", ... (the fork server knows its
+# ranks by it: rank.launching_script).
+RANK_PROCESS_PREFIX = "nbaccel-rank"
+
 # Command lines a process forked without exec inherits: the ordinary fork server's, and the
 # titles nbaccel gives its fork server and ranks (core.proctitle).
 _FORKED_COMMANDS = (

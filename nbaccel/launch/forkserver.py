@@ -27,10 +27,15 @@ from nbaccel.launch import containment, mirror
 from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
-# first (the server's own group, subreaper, kill its tree at exit), then torch, then the
+# first (the server's own group, subreaper, kill its tree at exit), then the rule that ranks do
+# not run the launching script again (rank.launching_script), then torch, then the
 # launch's own preloads, the mirror (its thread imports what the kernel has) and the ready
 # signal last.
-SERVER_PRELOAD = ("nbaccel.rank.server_guard", "nbaccel.rank.preload")
+SERVER_PRELOAD = (
+    "nbaccel.rank.server_guard",
+    "nbaccel.rank.launching_script",
+    "nbaccel.rank.preload",
+)
 SERVER_LAST = ("nbaccel.rank.mirror", "nbaccel.rank.server_ready")
 ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
 # How often a launch replaces a server that broke while mirroring before it does without.

@@ -133,7 +133,10 @@ class RankGroup:
         readers = [r for r, _ in pipes]
         writers = [w for _, w in pipes]
         process = ctx.Process(
-            target=run_rank, args=(spec, *writers), name=f"nbaccel-rank{spec.rank}", daemon=False
+            target=run_rank,
+            args=(spec, *writers),
+            name=f"{processes.RANK_PROCESS_PREFIX}{spec.rank}",
+            daemon=False,
         )
         try:
             process.start()
