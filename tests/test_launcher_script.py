@@ -79,6 +79,18 @@ def test_a_script_without_a_main_guard_runs_its_top_level_once(tmp_path):
     assert "bootstrapping" not in done.stderr
 
 
+def test_spawned_ranks_of_a_script_without_a_guard_say_what_to_add(tmp_path):
+    script = tmp_path / "noguard_spawn.py"
+    script.write_text(
+        "import nbaccel\n\ndef train():\n    return 1\n\n"
+        "nbaccel.notebook_launcher(train, num_processes=2, start_method='spawn')\n"
+    )
+    done = run_script(script)
+    assert done.returncode != 0
+    assert "Put the call under `if __name__ == '__main__':`" in done.stdout + done.stderr
+    assert "bootstrapping phase" not in done.stderr
+
+
 def test_failing_script_exits_nonzero_naming_the_rank(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(

@@ -9,6 +9,7 @@ CUDA) and otherwise returns a :class:`LaunchPlan`: the launch's facts and one
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import sys
 import warnings
@@ -211,6 +212,13 @@ def check_start_method(method: str) -> str:
 
 def _refuse_nested_launch() -> None:
     """A rank that launches would start ranks of ranks; say what to do instead."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # A spawned rank runs the launching script's top level again while it starts.
+        raise RuntimeError(
+            "notebook_launcher() was called at the top level of a script that a starting rank "
+            "runs again (start_method='spawn' does that; the default fork server does not). "
+            "Put the call under `if __name__ == '__main__':`, or leave start_method='auto'."
+        )
     if os.environ.get(ENV_LAUNCHER) or os.environ.get("TORCHELASTIC_RUN_ID"):
         rank = os.environ.get("RANK", "?")
         raise RuntimeError(
