@@ -11,6 +11,7 @@ example in ``docs/``.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import shlex
@@ -140,7 +141,13 @@ def test_python_examples_compile(path):
     for block in code_blocks(path):
         if block.lang == "python":
             try:
-                compile(ipython_to_python(block.code), f"{path.name}:{block.line}", "exec")
+                # a notebook cell may await at its top level (IPython runs it in its loop)
+                compile(
+                    ipython_to_python(block.code),
+                    f"{path.name}:{block.line}",
+                    "exec",
+                    flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                )
             except SyntaxError as exc:
                 pytest.fail(f"{path.name}, the block at line {block.line}: {exc}")
 
