@@ -204,7 +204,9 @@ class ForkServer:
     def server_pids(self) -> set[int]:
         """The current fork server's pid and those of retired servers still serving ranks."""
         pid = mp_internals.forkserver_pid()
-        return set(self._retired) | ({pid} if pid is not None else set())
+        with self._lock:  # a background launch's reaping may stop a retired one meanwhile
+            retired = set(self._retired)
+        return retired | ({pid} if pid is not None else set())
 
     def helper_pids(self) -> set[int]:
         """Long-lived helpers of this process that are not ranks: the fork servers and the
