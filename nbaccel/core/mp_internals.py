@@ -59,7 +59,7 @@ def detach_forkserver() -> tuple[int, int, Any] | None:
     """Forget the running fork server without stopping it, so the next start begins a new one
     while this one goes on serving the ranks it forked; returns what :func:`end_detached`
     needs to stop it once they have ended (``None`` when none runs)."""
-    server = multiprocessing.forkserver._forkserver
+    server: Any = multiprocessing.forkserver._forkserver  # private fields typeshed lacks
     with server._lock:
         if server._forkserver_pid is None:
             return None
