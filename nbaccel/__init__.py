@@ -95,10 +95,10 @@ def _warm_up_in_kernel() -> bool:
     try:
         from IPython import get_ipython
 
-        from nbaccel.launch.forkserver import ensure_server, follow_kernel
+        from nbaccel.launch.forkserver import SERVER
 
-        ensure_server()
-        follow_kernel(get_ipython())
+        SERVER.ensure()
+        SERVER.follow_kernel(get_ipython())
     except Exception:  # noqa: BLE001 - warming up is an optimisation; the launch will retry
         return False
     return True

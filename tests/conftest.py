@@ -20,12 +20,12 @@ def leftover_processes(
 ) -> list[psutil.Process]:
     """Descendants of ``root`` (default: this process) that are neither nbaccel's helpers
     (fork server, resource tracker) nor exempt, nor below an exempt process."""
-    from nbaccel.launch.forkserver import helper_pids
+    from nbaccel.launch.forkserver import SERVER
 
     root = root or psutil.Process()
     allowed = set(exempt) | LONG_LIVED
     if root.pid == os.getpid():
-        allowed |= helper_pids()
+        allowed |= SERVER.helper_pids()
     left = []
     for child in root.children(recursive=False):
         if child.pid in allowed:

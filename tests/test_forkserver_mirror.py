@@ -7,11 +7,13 @@ user module edited and reloaded in the kernel arrives edited.
 
 from __future__ import annotations
 
+import contextlib
 import site
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -112,7 +114,7 @@ def test_the_kernels_packages_are_warm_in_the_ranks(hf_kernel):
     value(hf_kernel, probe)
     server = value(hf_kernel, "import nbaccel.core.mp_internals as _mp\n_mp.forkserver_pid()")
     assert value(hf_kernel, "nbaccel.notebook_launcher(trainer_loaded, num_processes=2)")
-    value(hf_kernel, "_fs.current_mirror().wait() or 0")
+    value(hf_kernel, "_fs.SERVER.mirror.wait() or 0")
     cell = hf_kernel.execute("nbaccel.notebook_launcher(loaded, num_processes=2, return_all=True)")
     assert cell.error is None, cell.error_text
     assert (
@@ -137,7 +139,7 @@ def test_a_rank_forked_after_mirroring_has_nothing_of_the_kernels_side(hf_kernel
     0
     """
     value(hf_kernel, probe)
-    value(hf_kernel, "_fs.current_mirror().wait() or 0")
+    value(hf_kernel, "_fs.SERVER.mirror.wait() or 0")
     modules, tqdm_auto, ipython = value(
         hf_kernel, "nbaccel.notebook_launcher(kernel_side, num_processes=1)"
     )
@@ -149,7 +151,7 @@ def test_a_rank_forked_after_mirroring_has_nothing_of_the_kernels_side(hf_kernel
 def test_an_import_the_server_cannot_make_is_skipped(hf_kernel):
     answer = value(
         hf_kernel,
-        "_m = _fs.current_mirror()\n_m.wait()\n_m.answers['refuses_server']['error']",
+        "_m = _fs.SERVER.mirror\n_m.wait()\n_m.answers['refuses_server']['error']",
     )
     assert answer == "RuntimeError: this package does not import in a fork server"
     uses = "def uses():\n    import refuses_server, pandas\n    return refuses_server.VALUE\n0"
@@ -167,13 +169,14 @@ def test_a_user_module_edited_and_reloaded_arrives_edited(hf_kernel):
     helper.write_text("VALUE = 2\n")
     value(hf_kernel, "importlib.reload(helper_mod).VALUE")
     assert value(hf_kernel, "nbaccel.notebook_launcher(from_cell, num_processes=2)") == 2
-    assert "helper_mod" not in value(hf_kernel, "_fs.current_mirror().sent")
+    assert "helper_mod" not in value(hf_kernel, "_fs.SERVER.mirror.sent")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the mirror's CUDA check reads /proc maps")
-def test_an_import_that_loads_a_cuda_driver_replaces_the_server(tmp_path):
-    """An import that maps a library named libcuda.so into the server makes the next launch
-    start from a fresh server that no longer imports it (a fork could not use the GPU)."""
+@contextlib.contextmanager
+def _kernel_with_a_cuda_loading_package(tmp_path) -> Iterator[KernelSession]:
+    """A kernel (with nbaccel imported) that can import ``loads_cuda``, a package from a site
+    folder that maps a stand-in ``libcuda.so`` when imported in the fork server."""
     import shutil
     import subprocess
 
@@ -194,10 +197,18 @@ def test_an_import_that_loads_a_cuda_driver_replaces_the_server(tmp_path):
             f"import ctypes, os\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n"
             f"    ctypes.CDLL({str(lib)!r})\n"
         )
-        value(kernel, f"sys.path.append({user_site!r})\nimport nbaccel\n0")
-        pid = value(kernel, "import nbaccel.core.mp_internals as _mp\n_mp.forkserver_pid()")
-        value(kernel, "import loads_cuda\n0")
+        value(kernel, f"sys.path.append({user_site!r})\nimport nbaccel, os, time\n0")
+        value(kernel, "import nbaccel.core.mp_internals as _mp\n0")
         value(kernel, "def f():\n    import loads_cuda\n    return 7\n0")
+        yield kernel
+
+
+def test_an_import_that_loads_a_cuda_driver_replaces_the_server(tmp_path):
+    """An import that maps a library named libcuda.so into the server makes the next launch
+    start from a fresh server that no longer imports it (a fork could not use the GPU)."""
+    with _kernel_with_a_cuda_loading_package(tmp_path) as kernel:
+        pid = value(kernel, "_mp.forkserver_pid()")
+        value(kernel, "import loads_cuda\n0")
         cell = kernel.execute("nbaccel.notebook_launcher(f, num_processes=1)", timeout=240)
         assert cell.error is None, cell.error_text
         assert "loaded CUDA's driver" in cell.stderr, cell.stderr
@@ -205,13 +216,40 @@ def test_an_import_that_loads_a_cuda_driver_replaces_the_server(tmp_path):
         assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=1)") == 7
 
 
+def test_a_server_replaced_under_a_background_launch_keeps_serving_its_ranks(tmp_path):
+    """The server breaks (an import loaded CUDA) while a background launch's ranks run from it:
+    the next launch starts from a fresh server, and the old one keeps serving those ranks
+    (replacing it stopped them) until they end; then it is stopped too."""
+    from tests.test_background_launch import _start_recording
+    from tests.test_containment import running, wait_until_none_running
+
+    directory = tmp_path / "pids"
+    directory.mkdir()
+    with _kernel_with_a_cuda_loading_package(tmp_path) as kernel:
+        old = value(kernel, "_mp.forkserver_pid()")
+        _start_recording(kernel, directory, "background")
+        value(kernel, "import loads_cuda\n0")
+        cell = kernel.execute("nbaccel.notebook_launcher(f, num_processes=1)", timeout=240)
+        assert cell.error is None, cell.error_text
+        # The cell's offer got loads_cuda imported, answered and the server's mirror closed
+        # before the launch held it, so the kernel hears the close (not the answer) first.
+        assert "replacing the fork server" in cell.stderr, cell.stderr
+        assert value(kernel, "_mp.forkserver_pid()") != old
+        assert len(running(directory)) == 4  # both ranks and their children
+        assert value(kernel, "background.status") == "running"
+        value(kernel, "background.stop(timeout=60)\n0")
+        assert wait_until_none_running(directory) == []
+        assert value(kernel, f"_mp.server_alive({old})") is False  # stopped once they ended
+        assert kernel.leftovers() == []
+
+
 def test_a_package_imported_after_nbaccel_is_warm_at_the_first_launch():
     # The cell's import reaches the server when the cell ends, not only at the next launch.
     with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel") as kernel:
-        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.wait_until_ready() or 0")
+        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.SERVER.wait_until_ready() or 0")
         value(kernel, "import pandas\n0")
-        assert value(kernel, "'pandas' in _fs.current_mirror().sent")
-        value(kernel, "_fs.current_mirror().wait() or 0")
+        assert value(kernel, "'pandas' in _fs.SERVER.mirror.sent")
+        value(kernel, "_fs.SERVER.mirror.wait() or 0")
         probe = "def loaded():\n    import sys\n    return 'pandas' in sys.modules\n0"
         value(kernel, probe)
         assert value(kernel, "nbaccel.notebook_launcher(loaded, num_processes=1)") is True
@@ -232,7 +270,7 @@ def test_stop_while_a_launch_waits_for_the_server_leaves_it_mirroring(tmp_path):
             "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(6)\n"
         )
         value(kernel, f"sys.path.append({user_site!r})\nimport nbaccel\n0")
-        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.wait_until_ready() or 0")
+        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.SERVER.wait_until_ready() or 0")
         value(kernel, "def slow():\n    import slow_in_server\n    return 1\n0")
         kernel.execute("import slow_in_server")  # the cell's end sends it to the server
         timer = threading.Timer(1.5, kernel.interrupt)
@@ -245,4 +283,4 @@ def test_stop_while_a_launch_waits_for_the_server_leaves_it_mirroring(tmp_path):
         assert value(kernel, "nbaccel.notebook_launcher(slow, num_processes=1)") == 1
         assert time.monotonic() - started < 60  # not the 120 s deadline for a silent server
         assert value(kernel, "_mp.forkserver_pid()") == pid  # and not replaced
-        assert value(kernel, "_fs.current_mirror().answers['slow_in_server']['ok']")
+        assert value(kernel, "_fs.SERVER.mirror.answers['slow_in_server']['ok']")

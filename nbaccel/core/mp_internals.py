@@ -4,14 +4,19 @@ The standard library offers no public way to ask for the fork server's pid (cont
 by it, the answer watchdog stops it), restart it with other preloaded modules, or make a forked
 child forget the server it came from. Both sides need some of that; keeping it here means a
 CPython change breaks one small file. The private names used: ``forkserver._forkserver`` and
-its ``_forkserver_pid``, ``_forkserver_alive_fd``, ``_forkserver_address``, ``_stop()``, and
-``resource_tracker._resource_tracker._pid``.
+its ``_forkserver_pid``, ``_forkserver_alive_fd``, ``_forkserver_address``, ``_lock``,
+``_stop()``, and ``resource_tracker._resource_tracker._pid``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
+import signal
+import time
+from typing import Any
 
 
 def forkserver_pid() -> int | None:
@@ -48,6 +53,39 @@ def start_forkserver(preload: list[str], restart: bool, env: dict[str, str] | No
             else:
                 os.environ[key] = value
     return starting
+
+
+def detach_forkserver() -> tuple[int, int, Any] | None:
+    """Forget the running fork server without stopping it, so the next start begins a new one
+    while this one goes on serving the ranks it forked; returns what :func:`end_detached`
+    needs to stop it once they have ended (``None`` when none runs)."""
+    server: Any = multiprocessing.forkserver._forkserver  # private fields typeshed lacks
+    with server._lock:
+        if server._forkserver_pid is None:
+            return None
+        detached = (server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address)
+        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+    return detached
+
+
+def end_detached(detached: tuple[int, int, Any], wait: float = 2.0) -> None:
+    """Stop a server :func:`detach_forkserver` set aside (as ``ForkServer._stop`` does): close
+    its "alive" pipe, reap it (SIGKILL after ``wait`` s: one retired because an import hung
+    may not exit), remove its socket."""
+    pid, alive_fd, address = detached
+    with contextlib.suppress(OSError):
+        os.close(alive_fd)
+    deadline = time.monotonic() + wait
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+    if address and not multiprocessing.util.is_abstract_socket_namespace(address):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
 
 
 def server_alive(pid: int | None) -> bool:

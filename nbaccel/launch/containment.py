@@ -13,7 +13,7 @@ module finds those processes system-wide, not only below the kernel:
 
 Example::
 
-    left = sweep({rank.pid for rank in group.ranks})   # [(pid, "sleep 1000"), ...], now killed
+    left = sweep(pids, SERVER.server_pids(), SERVER.live)  # [(pid, "sleep 1000"), ...], killed
 """
 
 from __future__ import annotations
@@ -26,12 +26,44 @@ from typing import Any
 
 import psutil
 
-from nbaccel.core import mp_internals, processes
+from nbaccel.core import processes
 from nbaccel.core.processes import describe
 
-# Pids of every rank started by this process and not yet reaped, over all rank groups; the
-# fork server's other children are orphans.
-LIVE_RANKS: set[int] = set()
+
+class LiveRanks:
+    """Every rank this process started and has not reaped yet, over all launches and
+    ``%ranks`` sessions, each with the fork server it was forked from (``None``: another start
+    method). A launch registers its ranks as they start and releases them once reaped; a
+    sweep spares them all, so one launch's sweep never takes another's ranks.
+
+    >>> live = LiveRanks()
+    >>> live.add(41, server=7); live.add(42, server=None)
+    >>> sorted(live.pids()), live.from_server(7)
+    ([41, 42], {41})
+    >>> live.discard({41}); live.from_server(7)
+    set()
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # a background launch registers from its own thread
+        self._server_of: dict[int, int | None] = {}
+
+    def add(self, pid: int, server: int | None) -> None:
+        with self._lock:
+            self._server_of[pid] = server
+
+    def discard(self, pids: set[int]) -> None:
+        with self._lock:
+            for pid in pids:
+                self._server_of.pop(pid, None)
+
+    def pids(self) -> set[int]:
+        with self._lock:
+            return set(self._server_of)
+
+    def from_server(self, server: int) -> set[int]:
+        with self._lock:
+            return {pid for pid, s in self._server_of.items() if s == server}
 
 
 def session_members(sids: set[int]) -> list[psutil.Process]:
@@ -49,11 +81,13 @@ def session_members(sids: set[int]) -> list[psutil.Process]:
     return found
 
 
-def server_strays() -> list[psutil.Process]:
-    """Children of this process's fork server that are no rank: a dead rank's orphans."""
-    pid = mp_internals.forkserver_pid()
-    if pid is None:
-        return []
+def server_strays(servers: set[int], live: set[int]) -> list[psutil.Process]:
+    """Children of the fork servers ``servers`` that are no rank in ``live``: a dead rank's
+    orphans."""
+    return [child for pid in servers for child in _strays_of(pid, live)]
+
+
+def _strays_of(pid: int, live: set[int]) -> list[psutil.Process]:
     try:
         server = psutil.Process(pid)
         server_sid = os.getsid(pid)
@@ -62,7 +96,7 @@ def server_strays() -> list[psutil.Process]:
         return []
     strays = []
     for child in children:
-        if child.pid in LIVE_RANKS:
+        if child.pid in live:
             continue
         try:
             # A rank the server forked a moment ago is not registered yet; it is still in the
@@ -74,15 +108,18 @@ def server_strays() -> list[psutil.Process]:
     return strays
 
 
-def sweep(rank_pids: set[int]) -> list[tuple[int, str]]:
+def sweep(rank_pids: set[int], servers: set[int], live: LiveRanks) -> list[tuple[int, str]]:
     """Kill (SIGKILL) what the ranks ``rank_pids`` left running; return (pid, command) of each.
 
-    Call it once those ranks have exited. Looks again until nothing new turns up, since a killed
-    process's children re-parent and can be found only afterwards.
+    Call it once those ranks have exited; ``servers`` are the fork servers ranks were forked
+    from, whose children that are no rank in ``live`` are orphans. Looks again until nothing
+    new turns up, since a killed process's children re-parent and can be found only
+    afterwards.
     """
     killed: dict[int, str] = {}
     for _ in range(10):
-        found = [p for p in session_members(rank_pids) + server_strays() if p.pid not in killed]
+        strays = server_strays(servers, live.pids())
+        found = [p for p in session_members(rank_pids) + strays if p.pid not in killed]
         found = [p for p in found if processes.alive(p)]
         if not found:
             break

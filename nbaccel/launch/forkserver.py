@@ -41,16 +41,6 @@ ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
 # How often a launch replaces a server that broke while mirroring before it does without.
 MIRROR_ATTEMPTS = 3
 
-_server_lock = threading.Lock()
-# The kernel's side of the mirror is one conversation on one socket: one launch's rank starts
-# (HOLD, forks, GO) at a time, and no cell's offer meanwhile. A background launch can start
-# while another launch or a %ranks start does; two HOLDs at once lost each other's answers and
-# a launch waited until the mirror's silence deadline. RankGroup.start holds it.
-STARTS = threading.Lock()
-_server_modules: tuple[str, ...] = ()
-_ready_marker: str | None = None  # exists while the server started last is still importing
-_mirror: mirror.Mirror | None = None  # the mirror of the server started last, in a kernel
-
 
 def available_start_methods() -> list[str]:
     return multiprocessing.get_all_start_methods()
@@ -69,125 +59,197 @@ def resolve_start_method(name: str) -> str:
     return name
 
 
-def ensure_server(extra_modules: tuple[str, ...] = (), restart: bool = False) -> None:
-    """Start the fork server (or restart it when it lacks ``extra_modules``, or ``restart``);
-    returns at once.
+class ForkServer:
+    """This process's fork server, and everything the kernel keeps about it: the modules it
+    preloads, its ready marker, its mirror, the lock of rank starts at the mirror, the ranks
+    started from it (:class:`~nbaccel.launch.containment.LiveRanks`), and servers retired
+    while ranks still ran from them. There is one, :data:`SERVER`, because CPython's fork
+    server is process-wide; a launch and a ``%ranks`` session reach it through their
+    :class:`~nbaccel.launch.group.RankGroup`.
 
-    The server imports its modules in the background; the first rank start waits for that.
+    Example::
+
+        SERVER.ensure()                              # warm, returns at once
+        with SERVER.starts, SERVER.ranks_starting(specs, "forkserver"):
+            ...                                      # fork the ranks; SERVER.started(pid)
+        strays = SERVER.reaped(pids)                 # after reaping: sweep, release
     """
-    global _server_modules, _ready_marker, _mirror
-    wanted = tuple(dict.fromkeys((*SERVER_PRELOAD, *extra_modules, *SERVER_LAST)))
-    # Ctrl-C waits until the server is started (or stopped and restarted): cut in half, the
-    # next launch would find multiprocessing's record of it inconsistent.
-    with _server_lock, containment.sigint_deferred():
-        restart = restart or not set(wanted) <= set(_server_modules)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # The kernel's side of the mirror is one conversation on one socket: one launch's rank
+        # starts (HOLD, forks, GO) at a time, and no cell's offer meanwhile. A background
+        # launch can start while another launch or a %ranks start does; two HOLDs at once lost
+        # each other's answers and a launch waited until the mirror's silence deadline.
+        # RankGroup.start holds it.
+        self.starts = threading.Lock()
+        self.modules: tuple[str, ...] = ()
+        self._ready_marker: str | None = None  # exists while the server is still importing
+        self.mirror: mirror.Mirror | None = None  # the current server's, in a kernel
+        self.live = containment.LiveRanks()
+        # Servers replaced while ranks of theirs ran: each keeps serving them, and is stopped
+        # once the last has been reaped (pid -> what mp_internals.end_detached needs).
+        self._retired: dict[int, tuple[int, int, Any]] = {}
+
+    def ensure(self, extra_modules: tuple[str, ...] = (), restart: bool = False) -> None:
+        """Start the fork server (or restart it when it lacks ``extra_modules``, or
+        ``restart``); returns at once.
+
+        The server imports its modules in the background; the first rank start waits for
+        that.
+        """
+        wanted = tuple(dict.fromkeys((*SERVER_PRELOAD, *extra_modules, *SERVER_LAST)))
+        # Ctrl-C waits until the server is started (or stopped and restarted): cut in half, the
+        # next launch would find multiprocessing's record of it inconsistent.
+        with self._lock, containment.sigint_deferred():
+            restart = restart or not set(wanted) <= set(self.modules)
+            alive = mp_internals.server_alive(mp_internals.forkserver_pid())
+            if not restart and alive:
+                return
+            if self.mirror is not None:
+                self.mirror.abandon(died=not alive)
+                self.mirror = None
+            self.modules = wanted
+            fd, marker = tempfile.mkstemp(prefix="nbaccel-server-warming-")
+            os.close(fd)
+            kernel_mirror = mirror.Mirror(mirror.candidates()) if in_kernel() else None
+            env = {ENV_READY_FILE: marker, **(kernel_mirror.env() if kernel_mirror else {})}
+            if mp_internals.start_forkserver(list(wanted), restart=restart, env=env):
+                _discard(self._ready_marker)
+                self._ready_marker = marker
+                self.mirror = kernel_mirror
+            else:
+                _discard(marker)
+                if kernel_mirror is not None:
+                    kernel_mirror.close()
+
+    def lacks(self, extra_modules: tuple[str, ...]) -> bool:
+        """Whether :meth:`ensure` would restart the server (stopping every rank forked from
+        it) to preload ``extra_modules``."""
+        wanted = (*SERVER_PRELOAD, *extra_modules, *SERVER_LAST)
         alive = mp_internals.server_alive(mp_internals.forkserver_pid())
-        if not restart and alive:
-            return
-        if _mirror is not None:
-            _mirror.abandon(died=not alive)
-            _mirror = None
-        _server_modules = wanted
-        fd, marker = tempfile.mkstemp(prefix="nbaccel-server-warming-")
-        os.close(fd)
-        kernel_mirror = mirror.Mirror(mirror.candidates()) if in_kernel() else None
-        env = {ENV_READY_FILE: marker, **(kernel_mirror.env() if kernel_mirror else {})}
-        if mp_internals.start_forkserver(list(wanted), restart=restart, env=env):
-            _discard(_ready_marker)
-            _ready_marker = marker
-            _mirror = kernel_mirror
-        else:
-            _discard(marker)
-            if kernel_mirror is not None:
-                kernel_mirror.close()
+        return alive and not set(wanted) <= set(self.modules)
 
+    @contextlib.contextmanager
+    def ranks_starting(self, specs: Sequence[RankSpec], start_method: str) -> Iterator[None]:
+        """Around the forks of a launch's ranks: wait until the server is ready and has
+        imported the kernel's modules the function refers to; afterwards let it mirror the
+        rest.
 
-def lacks(extra_modules: tuple[str, ...]) -> bool:
-    """Whether :func:`ensure_server` would restart the server (stopping every rank forked from
-    it) to preload ``extra_modules``."""
-    wanted = (*SERVER_PRELOAD, *extra_modules, *SERVER_LAST)
-    alive = mp_internals.server_alive(mp_internals.forkserver_pid())
-    return alive and not set(wanted) <= set(_server_modules)
+        A server that broke while mirroring (an import loaded CUDA, hung, or killed it) is
+        replaced by a fresh one first, which no longer imports that module; one that still
+        serves other ranks (a background launch, a ``%ranks`` session) is retired instead of
+        stopped, and serves them until they end. The wait is interruptible: no rank is started
+        yet. Other start methods have no server: nothing to do.
+        """
+        held = None
+        try:
+            for attempt in range(MIRROR_ATTEMPTS + 1 if start_method == "forkserver" else 0):
+                self.wait_until_ready()
+                current = (
+                    self.mirror if self.mirror is not None and self.mirror.connected() else None
+                )
+                if current is None or attempt == MIRROR_ATTEMPTS:
+                    break
+                held = current
+                held.hold(mirror.needed(specs))
+                if held.broken is None:
+                    break
+                print(
+                    f"nbaccel: replacing the fork server ({held.broken}); that module is not "
+                    "imported there any more",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                held = None
+                self._retire_serving()
+                self.ensure(self._launch_preloads(), restart=True)
+            yield
+        finally:  # also after Ctrl-C while waiting: a server left holding would mirror no more
+            if held is not None and held.broken is None:
+                held.go(mirror.candidates())
 
-
-@contextlib.contextmanager
-def ranks_starting(specs: Sequence[RankSpec], start_method: str) -> Iterator[None]:
-    """Around the forks of a launch's ranks: wait until the server is ready and has imported
-    the kernel's modules the function refers to; afterwards let it mirror the rest.
-
-    A server that broke while mirroring (an import loaded CUDA, hung, or killed it) is replaced
-    by a fresh one first, which no longer imports that module. The wait is interruptible: no
-    rank is started yet. Other start methods have no server: nothing to do.
-    """
-    held = None
-    try:
-        for attempt in range(MIRROR_ATTEMPTS + 1 if start_method == "forkserver" else 0):
-            wait_until_ready()
-            current = _mirror if _mirror is not None and _mirror.connected() else None
-            if current is None or attempt == MIRROR_ATTEMPTS:
-                break
-            held = current
-            held.hold(mirror.needed(specs))
-            if held.broken is None:
-                break
-            print(
-                f"nbaccel: replacing the fork server ({held.broken}); that module is not "
-                "imported there any more",
-                file=sys.stderr,
-                flush=True,
-            )
-            held = None
-            ensure_server(_launch_preloads(), restart=True)
-        yield
-    finally:  # also after Ctrl-C while waiting: a server left holding would mirror no more
-        if held is not None and held.broken is None:
-            held.go(mirror.candidates())
-
-
-def _launch_preloads() -> tuple[str, ...]:
-    return tuple(m for m in _server_modules if m not in SERVER_PRELOAD + SERVER_LAST)
-
-
-def follow_kernel(shell: Any) -> None:
-    """After each cell of IPython ``shell``, offer the fork server what the cell imported."""
-    if _after_cell not in shell.events.callbacks.get("post_run_cell", []):
-        shell.events.register("post_run_cell", _after_cell)
-
-
-def _after_cell(*_: Any) -> None:
-    if not STARTS.acquire(blocking=False):
-        return  # a launch is starting ranks: its GO offers everything the kernel has
-    try:
-        if _mirror is not None:
-            _mirror.offer(mirror.candidates())
-    except Exception:  # noqa: BLE001 - warming is an optimisation; a cell must never fail
-        pass
-    finally:
-        STARTS.release()
-
-
-def current_mirror() -> mirror.Mirror | None:
-    """The mirror of the fork server started last (``None`` outside a kernel)."""
-    return _mirror
-
-
-def wait_until_ready(poll: float = 0.02) -> None:
-    """Wait until the fork server started by :func:`ensure_server` has finished importing.
-
-    Returns at once for a server that is ready (or that nbaccel did not start). The wait is
-    interruptible: a ``KeyboardInterrupt`` here leaves no rank half-started, because none was
-    asked for yet.
-    """
-    global _ready_marker
-    marker = _ready_marker
-    while marker is not None and os.path.exists(marker):
+    def _retire_serving(self) -> None:
+        """Set the current server aside, still running, when ranks forked from it live: the
+        restart that follows then starts a new one instead of stopping it (and them)."""
         pid = mp_internals.forkserver_pid()
-        if pid is None or not mp_internals.server_alive(pid):
-            break  # it died importing; starting a rank will start (and wait for) a new one
-        time.sleep(poll)
-    _discard(marker)
-    if _ready_marker == marker:
-        _ready_marker = None
+        if pid is None or not mp_internals.server_alive(pid) or not self.live.from_server(pid):
+            return
+        with self._lock:
+            detached = mp_internals.detach_forkserver()
+            if detached is not None:
+                self._retired[detached[0]] = detached
+            if self.mirror is not None:  # the retired server mirrors no more
+                self.mirror.abandon(died=False)
+                self.mirror = None
+
+    def _launch_preloads(self) -> tuple[str, ...]:
+        return tuple(m for m in self.modules if m not in SERVER_PRELOAD + SERVER_LAST)
+
+    def started(self, pid: int, start_method: str) -> None:
+        """Register a rank just started (under ``forkserver``: forked by the current server)."""
+        self.live.add(pid, mp_internals.forkserver_pid() if start_method == "forkserver" else None)
+
+    def reaped(self, pids: set[int]) -> list[tuple[int, str]]:
+        """After the ranks ``pids`` were reaped: kill what they left running (the sweep spares
+        every other live rank), release them, and stop a retired server none of whose ranks
+        is left. Returns (pid, command) of each process killed."""
+        strays = containment.sweep(pids, self.server_pids(), self.live)
+        self.live.discard(pids)
+        with self._lock:
+            for pid in [p for p in self._retired if not self.live.from_server(p)]:
+                mp_internals.end_detached(self._retired.pop(pid))
+        return strays
+
+    def server_pids(self) -> set[int]:
+        """The current fork server's pid and those of retired servers still serving ranks."""
+        pid = mp_internals.forkserver_pid()
+        with self._lock:  # a background launch's reaping may stop a retired one meanwhile
+            retired = set(self._retired)
+        return retired | ({pid} if pid is not None else set())
+
+    def helper_pids(self) -> set[int]:
+        """Long-lived helpers of this process that are not ranks: the fork servers and the
+        resource tracker multiprocessing starts beside them."""
+        tracker = mp_internals.resource_tracker_pid()
+        return self.server_pids() | ({tracker} if tracker is not None else set())
+
+    def follow_kernel(self, shell: Any) -> None:
+        """After each cell of IPython ``shell``, offer the fork server what the cell imported."""
+        if self._after_cell not in shell.events.callbacks.get("post_run_cell", []):
+            shell.events.register("post_run_cell", self._after_cell)
+
+    def _after_cell(self, *_: Any) -> None:
+        if not self.starts.acquire(blocking=False):
+            return  # a launch is starting ranks: its GO offers everything the kernel has
+        try:
+            if self.mirror is not None:
+                self.mirror.offer(mirror.candidates())
+        except Exception:  # noqa: BLE001 - warming is an optimisation; a cell must never fail
+            pass
+        finally:
+            self.starts.release()
+
+    def wait_until_ready(self, poll: float = 0.02) -> None:
+        """Wait until the fork server started by :meth:`ensure` has finished importing.
+
+        Returns at once for a server that is ready (or that nbaccel did not start). The wait
+        is interruptible: a ``KeyboardInterrupt`` here leaves no rank half-started, because
+        none was asked for yet.
+        """
+        marker = self._ready_marker
+        while marker is not None and os.path.exists(marker):
+            pid = mp_internals.forkserver_pid()
+            if pid is None or not mp_internals.server_alive(pid):
+                break  # it died importing; starting a rank will start (and wait for) a new one
+            time.sleep(poll)
+        _discard(marker)
+        if self._ready_marker == marker:
+            self._ready_marker = None
+
+
+# The process's one fork server (CPython's is process-wide).
+SERVER = ForkServer()
 
 
 def _discard(path: str | None) -> None:
@@ -196,13 +258,6 @@ def _discard(path: str | None) -> None:
             os.unlink(path)
         except OSError:
             pass
-
-
-def helper_pids() -> set[int]:
-    """Long-lived helpers of this process that are not ranks: the fork server and the
-    resource tracker multiprocessing starts beside it."""
-    pids = {mp_internals.forkserver_pid(), mp_internals.resource_tracker_pid()}
-    return {p for p in pids if p is not None}
 
 
 # A rank start is a few milliseconds of the server's time; one that takes this long, or this

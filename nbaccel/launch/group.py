@@ -74,9 +74,15 @@ class RankGroup:
         group.stop()          # SIGTERM, then SIGKILL after a grace period; always reaps
     """
 
-    def __init__(self, specs: list[RankSpec], start_method: str) -> None:
+    def __init__(
+        self,
+        specs: list[RankSpec],
+        start_method: str,
+        server: forkserver.ForkServer = forkserver.SERVER,
+    ) -> None:
         self.specs = specs
         self.start_method = start_method
+        self.server = server  # starts at its mirror one launch at a time; registers the ranks
         self.ranks: list[RankProcess] = []
         self._stop_signal_sent: set[int] = set()
         self._kill_at: float | None = None  # set by begin_stop
@@ -92,7 +98,7 @@ class RankGroup:
         """
         ctx = multiprocessing.get_context(self.start_method)
         try:
-            with forkserver.STARTS, forkserver.ranks_starting(self.specs, self.start_method):
+            with self.server.starts, self.server.ranks_starting(self.specs, self.start_method):
                 for spec in self.specs:
                     self._start_answered(ctx, spec)
         except KeyboardInterrupt as exc:
@@ -140,7 +146,7 @@ class RankGroup:
         )
         try:
             process.start()
-            containment.LIVE_RANKS.add(process.pid)
+            self.server.started(process.pid, self.start_method)
         finally:
             for w in writers:  # the rank holds them now; closing ours lets EOF arrive
                 w.close()
@@ -220,5 +226,4 @@ class RankGroup:
             if not r._reaped:
                 r.reap()
         if pids:
-            self.strays += containment.sweep(pids)
-            containment.LIVE_RANKS.difference_update(pids)
+            self.strays += self.server.reaped(pids)

@@ -32,7 +32,7 @@ from nbaccel.core.errors import (
 from nbaccel.core.failures import describe_exit
 from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.core.launch_state import RankStatus as Status
-from nbaccel.launch import containment, forkserver, loop, root_cause, xla
+from nbaccel.launch import forkserver, loop, root_cause, xla
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.group import STOP_GRACE, RankGroup, RankProcess
 from nbaccel.launch.plan import LaunchPlan
@@ -200,7 +200,7 @@ class Launch:
         try:
             if plan.info.start_method == "forkserver":
                 _refuse_restart_under(plan.preload)
-                forkserver.ensure_server(plan.preload)
+                forkserver.SERVER.ensure(plan.preload)
             group.start()  # stops what it started on any failure
         except BaseException as exc:
             interrupted = isinstance(exc, KeyboardInterrupt)
@@ -322,8 +322,9 @@ class Launch:
 def _refuse_restart_under(preload: tuple[str, ...]) -> None:
     """A fork server restarted for ``preload`` would stop every rank forked from it: refuse
     while another launch (in the background) or a ``%ranks`` session has ranks running."""
-    if containment.LIVE_RANKS and forkserver.lacks(preload):
-        pids = ", ".join(map(str, sorted(containment.LIVE_RANKS)))
+    live = forkserver.SERVER.live.pids()
+    if live and forkserver.SERVER.lacks(preload):
+        pids = ", ".join(map(str, sorted(live)))
         raise LaunchError(
             f"preload={list(preload)!r} needs a fresh fork server, which would stop the ranks "
             f"already running from this one (pids {pids}: a background launch or a %ranks "

@@ -9,7 +9,7 @@ editable installs) are never mirrored: each rank imports them afresh, so one edi
 in the kernel arrives edited.
 
 When names travel: those loaded before the server started go with it (a file it reads); after
-each cell, what the cell imported (``forkserver.follow_kernel``, so the server imports it while the
+each cell, what the cell imported (``ForkServer.follow_kernel``, so the server imports it while the
 person writes the next cell); before ranks are forked, the names the launched function refers to (strings in its pickle: ``from
 transformers import Trainer`` in its body, a global module) go with ``HOLD`` and are waited for;
 after the forks, ``GO`` and the rest. So a launch waits only for imports its ranks would make

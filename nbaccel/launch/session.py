@@ -34,7 +34,7 @@ from nbaccel.core.errors import RankFailedError
 from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.forkserver import ensure_server
+from nbaccel.launch.forkserver import SERVER
 from nbaccel.launch.group import STOP_GRACE, RankGroup
 from nbaccel.launch.plan import UNSET, LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload
@@ -141,7 +141,7 @@ class Ranks:
             server.listen()
             self._plan = session_plan(self.options, address)
             if self._plan.info.start_method == "forkserver":
-                ensure_server()
+                SERVER.ensure()
             self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
             with BusyBeacon():  # it may wait for a warming fork server
                 self._group.start()

@@ -21,7 +21,7 @@ from typing import Any
 
 from nbaccel.core import xla_runtime
 from nbaccel.core.events import RankSpec
-from nbaccel.launch import containment, forkserver
+from nbaccel.launch import containment
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.rank import xla as rank_xla
 
@@ -143,8 +143,8 @@ class ThreadHostGroup(RankGroup):
         ctx = __import__("multiprocessing").get_context(self.start_method)
         try:
             with (
-                forkserver.STARTS,
-                forkserver.ranks_starting(self.specs, self.start_method),
+                self.server.starts,
+                self.server.ranks_starting(self.specs, self.start_method),
                 containment.sigint_deferred(),
             ):
                 self._start_host(ctx)
@@ -163,7 +163,7 @@ class ThreadHostGroup(RankGroup):
         )
         try:
             process.start()
-            containment.LIVE_RANKS.add(process.pid)
+            self.server.started(process.pid, self.start_method)
         finally:
             for ws in writers:
                 for w in ws:
