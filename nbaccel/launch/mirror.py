@@ -211,6 +211,8 @@ class Mirror:
                 else:
                     self._read_until(lambda: False, poll=0.0, drain=True)
             except OSError:
+                # The server closed its end; the answer that says why may be waiting.
+                self._read_until(lambda: False, poll=0.0, drain=True)
                 self._lost()
                 return
             if time.monotonic() - heard > SILENCE_DEADLINE:
