@@ -56,7 +56,7 @@ class TextView:
     def start(self, state: LaunchState) -> None:
         self._state = state
         self._last_progress = time.monotonic()
-        print(f"nbaccel: launching {banner(state)}", file=sys.stdout)
+        _say(f"nbaccel: launching {banner(state)}")
 
     def output(self, rank: int, stream: str, lines: list[str]) -> None:
         if self._state is not None and rank in self._state.ranks:
@@ -120,7 +120,7 @@ class TextView:
         self._last_progress = now
         state = self._state
         if any(r.bars for r in state.ranks.values()):
-            print(f"nbaccel {run_line(state)}", file=sys.stdout)
+            _say(f"nbaccel {run_line(state)}")
         slow = state.stragglers()
         for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
             if rank.bar is None and not rank.metrics:
@@ -131,7 +131,7 @@ class TextView:
             text = " ".join(p for p in parts if p).strip()
             if self._printed_progress.get(rank.rank) != text:
                 self._printed_progress[rank.rank] = text
-                print(f"{self._label(rank.rank)}progress: {text}", file=sys.stdout)
+                _say(f"{self._label(rank.rank)}progress: {text}")
         self._print_stall(state)
 
     def _print_stall(self, state: LaunchState) -> None:
@@ -145,7 +145,7 @@ class TextView:
         where = stall.split("\n", 1)[-1]
         if where != self._stall_shown or quiet >= self._stall_reprint_at:
             self._stall_shown, self._stall_reprint_at = where, 2 * quiet
-            print(f"nbaccel: {stall}", file=sys.stdout)
+            _say(f"nbaccel: {stall}")
 
     def _print_quiet_partials(self, now: float) -> None:
         for key, (text, since) in list(self._partial.items()):
@@ -165,14 +165,14 @@ class TextView:
         changed = settings_changed(self._state)
         if changed:
             self._settings_shown = True
-            print(f"nbaccel: the ranks run {changed} (set in code)", file=sys.stdout)
+            _say(f"nbaccel: the ranks run {changed} (set in code)")
 
     def finish(self) -> None:
         self._print_skipped(force=True)
         self._print_settings()
         if self._state is not None and self.show_progress:
             self._memory.sample(self._state, force=True)
-            print(summary_text(self._state), file=sys.stdout)
+            _say(summary_text(self._state))
         self._flush()
 
     @staticmethod
@@ -200,3 +200,10 @@ def _rest(shown: str, text: str) -> str | None:
     if shown and text.startswith(shown):
         return "…" + text[len(shown) :]
     return text
+
+
+def _say(text: str) -> None:
+    """Print ``text`` as one line in one write: a background launch's view prints while the
+    notebook's own cells print, and ``print``'s separate newline let their words meet
+    mid-line."""
+    sys.stdout.write(text + "\n")
