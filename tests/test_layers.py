@@ -22,6 +22,8 @@ ALLOWED = {
     "ui": {"core"},
     "launch": {"core", "ui"},
     "cli": {"core", "rank", "training", "ui", "launch"},
+    # Kernel side (ray_cluster, ray_group) and a node's side (node, remote_entry: core, rank).
+    "cluster": {"core", "rank", "launch", "ui"},
 }
 # Single modules a layer may import outside its allowance, each with the reason.
 EXCEPTIONS = {

@@ -1,0 +1,231 @@
+"""Ranks on a real local Ray cluster (CPU): notebook_launcher(..., cluster=nbaccel.RayCluster()).
+
+One head started here (``ray start --head``, its own temporary folder and ports) serves the
+module; each test's launches run in a driver script (a kernel's stand-in, with the text view)
+so that the Ray driver and its Ctrl-C are a process of their own. Ray's start is slow on two
+cores: one cluster for the module, and ``ray stop`` plus a check by pid at its end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nbaccel.core.rendezvous import free_port
+
+pytestmark = pytest.mark.slow
+
+try:
+    import ray  # noqa: F401
+except ImportError as exc:  # pragma: no cover - the dev extra installs it
+    pytest.skip(
+        f"ray is not importable ({exc}): pip install 'nbaccel[ray]'", allow_module_level=True
+    )
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _cluster_processes(temp_dir: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in part for part in p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """The address of a one-node Ray cluster with 3 CPUs, stopped (and checked) at the end."""
+    temp_dir = str(tmp_path_factory.mktemp("ray"))
+    port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    started = subprocess.run(
+        [RAY, "start", "--head", f"--port={port}", "--num-cpus=3", "--num-gpus=0",
+         "--include-dashboard=false", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1"],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        left = _cluster_processes(temp_dir)
+        psutil.wait_procs(left, timeout=10)
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in left:
+            p.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"ray processes left running: {left}"
+
+
+def _driver(tmp_path: Path, head: str, body: str) -> subprocess.Popen:
+    """Run ``body`` in a fresh driver (the kernel's stand-in) connected to ``head``."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import nbaccel, os, sys, time\n"
+        f"cluster = nbaccel.RayCluster(address={head!r})\n"
+        "def main():\n" + textwrap.indent(textwrap.dedent(body), "    ") + "\n"
+        "if __name__ == '__main__':\n    main()\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the driver did not finish in {timeout} s:\n{out}")
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_two_ranks_all_reduce_print_return_and_a_failure_names_its_rank(head, tmp_path):
+    out = _finish(
+        _driver(
+            tmp_path,
+            head,
+            """
+            def work(x):
+                import torch, torch.distributed as dist
+                dist.init_process_group("gloo")
+                t = torch.tensor([float(dist.get_rank() + x)])
+                dist.all_reduce(t)
+                print(f"hello from {dist.get_rank()} of {dist.get_world_size()}")
+                return t.item(), os.environ["LOCAL_RANK"], os.getpid()
+
+            values = nbaccel.notebook_launcher(
+                work, args=(1,), num_processes=2, cluster=cluster, return_all=True,
+                progress="text")
+            print("VALUES", [v[:2] for v in values])
+            print("PIDS", [v[2] for v in values])
+
+            def fails():
+                import torch.distributed as dist
+                dist.init_process_group("gloo")
+                if dist.get_rank() == 1:
+                    raise ValueError("bad shard on the second rank")
+                dist.barrier()
+
+            try:
+                nbaccel.notebook_launcher(fails, num_processes=2, cluster=cluster,
+                                          progress="text")
+            except nbaccel.RankFailedError as exc:
+                print("FAILED rank", exc.rank, "|", str(exc).replace(chr(10), " / "))
+            """,
+        )
+    )
+    assert "VALUES [(3.0, '0'), (3.0, '1')]" in out, out
+    for rank in (0, 1):
+        assert f"[rank{rank}] hello from {rank} of 2" in out, out
+    pids = eval(out.split("PIDS ", 1)[1].splitlines()[0])
+    assert not [p for p in pids if psutil.pid_exists(p)], "ranks still running after the launch"
+    failed = out.split("FAILED rank ", 1)[1].splitlines()[0]
+    assert failed.startswith("1 |"), out
+    assert "ValueError: bad shard on the second rank" in failed, out
+    assert 'raise ValueError("bad shard on the second rank")' in failed, failed  # traceback
+
+
+def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 180) -> str:
+    """Read the driver's output until a line starts with ``prefix``; that line."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.startswith(prefix):
+            return line
+    proc.kill()
+    pytest.fail(f"no {prefix!r} line from the driver:\n{''.join(seen)}")
+
+
+RUNS_LONG = """
+def sleeper():
+    print("PID", os.getpid(), flush=True)
+    open(f"started-{os.getpid()}", "w").close()  # the kernel's cwd: this machine's, here
+    time.sleep(600)
+
+def interrupt_when_started():
+    import glob, signal
+    while len(glob.glob("started-*")) < 2:
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGINT)
+
+def pids_of(launch):
+    while launch.state is None or len([r for r in launch.state.ranks.values() if r.pid]) < 2:
+        time.sleep(0.1)
+    return sorted(r.pid for r in launch.state.ranks.values())
+"""
+
+
+def test_stop_and_ctrl_c_and_kernel_death_leave_no_rank_running(head, tmp_path):
+    # stop() of a background launch, then Ctrl-C in a blocking one
+    proc = _driver(
+        tmp_path,
+        head,
+        RUNS_LONG
+        + """
+launch = nbaccel.notebook_launcher(sleeper, num_processes=2, cluster=cluster,
+                                   progress=False, block=False)
+print("STOPPING", pids_of(launch), flush=True)
+launch.stop()
+print("STOPPED", launch.status, flush=True)
+import glob, threading
+for f in glob.glob("started-*"):  # the stopped launch's
+    os.remove(f)
+threading.Thread(target=interrupt_when_started, daemon=True).start()
+try:
+    nbaccel.notebook_launcher(sleeper, num_processes=2, cluster=cluster, progress="text")
+except KeyboardInterrupt as exc:
+    print("INTERRUPTED", exc, flush=True)
+""",
+    )
+    pids = eval(_wait_for_line(proc, "STOPPING").split(" ", 1)[1])
+    assert _wait_for_line(proc, "STOPPED").split()[1] == "interrupted"
+    assert not [p for p in pids if psutil.pid_exists(p)], f"stop() left ranks {pids} running"
+    out = _finish(proc)
+    interrupted = [int(pid) for pid in re.findall(r"\[rank\d\] PID (\d+)", out)]
+    assert "INTERRUPTED launch interrupted; all 2 ranks were stopped" in out, out
+    assert len(interrupted) == 2, out
+    assert not [p for p in interrupted if psutil.pid_exists(p)], "Ctrl-C left ranks running"
+
+    # the kernel dies (SIGKILL): its ranks on the cluster go too
+    proc = _driver(
+        tmp_path,
+        head,
+        RUNS_LONG
+        + """
+launch = nbaccel.notebook_launcher(sleeper, num_processes=2, cluster=cluster,
+                                   progress=False, block=False)
+print("RUNNING", pids_of(launch), flush=True)
+time.sleep(600)
+""",
+    )
+    pids = eval(_wait_for_line(proc, "RUNNING").split(" ", 1)[1])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 30)[1]
+    assert not gone, f"ranks {gone} outlived their kernel"
