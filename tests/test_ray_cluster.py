@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from nbaccel.core.rendezvous import free_port
+from tests import netns_helpers
 
 pytestmark = pytest.mark.slow
 
@@ -229,3 +230,71 @@ time.sleep(600)
     proc.wait()
     gone = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 30)[1]
     assert not gone, f"ranks {gone} outlived their kernel"
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """(net, head address) of a Ray cluster of two nodes, a head and a worker, each a host of
+    its own (network namespaces); everything in them is killed at the end, checked by pid."""
+    reason = netns_helpers.unavailable()
+    if reason:
+        pytest.skip(f"no network namespaces here: {reason}")
+    try:
+        net = netns_helpers.Network.hosts(2)
+    except OSError as exc:
+        pytest.skip(f"no network namespaces here: {exc}")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    head = f"{net.address(0)}:6379"
+    try:
+        for host, role in ((0, ["--head", "--port=6379", "--include-dashboard=false"]),
+                           (1, [f"--address={head}"])):  # fmt: skip
+            temp = str(tmp_path_factory.mktemp(f"ray-node{host}"))
+            started = net.run(
+                host,
+                [RAY, "start", *role, "--num-cpus=1", "--num-gpus=0", f"--temp-dir={temp}",
+                 f"--node-ip-address={net.address(host)}"],
+                env=env, capture_output=True, text=True, timeout=180,
+            )  # fmt: skip
+            assert started.returncode == 0, started.stdout + started.stderr
+        yield net, head
+    finally:
+        net.close()  # kills every process of both nodes, by pid
+        left = net.still_running(timeout=1)
+        assert net.left() == [] and left == [], f"left behind: {net.left()} {left}"
+
+
+def test_two_nodes_a_rank_failing_on_the_worker_node_is_named_with_its_traceback(
+    two_nodes, tmp_path
+):
+    net, head = two_nodes
+    worker = net.address(1)
+    body = f"""
+    def work(worker):
+        import psutil, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        here = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs]
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print(f"sum {{t.item()}} on", "worker" if worker in here else "head")
+        if worker in here:
+            raise RuntimeError("the worker node's shard is missing")
+        dist.barrier()
+
+    try:
+        nbaccel.notebook_launcher(work, args=({worker!r},), num_processes=2, progress="text",
+                                  cluster=nbaccel.RayCluster({head!r}, strategy="STRICT_SPREAD"))
+    except nbaccel.RankFailedError as exc:
+        print("FAILED rank", exc.rank, "|", str(exc).replace(chr(10), " / "))
+    """
+    script = tmp_path / "driver.py"
+    script.write_text("import nbaccel\ndef main():\n" + textwrap.indent(textwrap.dedent(body), "    ")
+                      + "\nif __name__ == '__main__':\n    main()\n")  # fmt: skip
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    out = _finish(
+        net.popen(0, [sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    )  # fmt: skip
+    assert "sum 2.0 on head" in out and "sum 2.0 on worker" in out, out
+    failed = out.split("FAILED rank ", 1)[1].splitlines()[0]
+    assert "RuntimeError: the worker node's shard is missing" in failed, out
+    assert 'raise RuntimeError("the worker node' in failed, failed  # its traceback
