@@ -18,13 +18,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
+import nbaccel
 from nbaccel.core.rendezvous import free_port
+from nbaccel.launch.plan import resolve_plan
 from tests import netns_helpers
-
-pytestmark = pytest.mark.slow
 
 try:
     import ray  # noqa: F401
@@ -34,6 +35,32 @@ except ImportError as exc:  # pragma: no cover - the dev extra installs it
     )
 
 RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _noop():
+    pass
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "says"),
+    [
+        ({"cluster": object()}, TypeError, "cluster must be a cluster to run the ranks on"),
+        ({"num_nodes": 2}, ValueError, "cluster= places the ranks itself"),
+        ({"args": (np.zeros(1 << 20),)}, ValueError, "cannot reach a cluster's nodes"),
+    ],
+)
+def test_bad_cluster_launches_are_refused_before_anything_starts(options, error, says):
+    options = {"cluster": nbaccel.RayCluster(), "num_processes": 2, **options}
+    with pytest.raises(error, match=says):
+        nbaccel.notebook_launcher(_noop, **options)
+    assert not ray.is_initialized()  # nothing connected, nothing placed
+
+
+def test_a_cluster_banner_names_no_local_port():
+    plan = resolve_plan(_noop, (), {}, num_processes=2, cluster=nbaccel.RayCluster())
+    assert plan.info.describe().endswith(", on a Ray cluster"), plan.info.describe()
+    assert plan.specs[0].transfer is None  # results come back pickled, not by /dev/shm
+    assert "CUDA_VISIBLE_DEVICES" in plan.specs[0].env  # CPU ranks: gloo, no GPU
 
 
 def _cluster_processes(temp_dir: str) -> list[psutil.Process]:
@@ -102,6 +129,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_all_reduce_print_return_and_a_failure_names_its_rank(head, tmp_path):
     out = _finish(
         _driver(
@@ -182,6 +210,7 @@ def pids_of(launch):
 """
 
 
+@pytest.mark.slow
 def test_stop_and_ctrl_c_and_kernel_death_leave_no_rank_running(head, tmp_path):
     # stop() of a background launch, then Ctrl-C in a blocking one
     proc = _driver(
@@ -263,6 +292,7 @@ def two_nodes(tmp_path_factory):
         assert net.left() == [] and left == [], f"left behind: {net.left()} {left}"
 
 
+@pytest.mark.slow
 def test_two_nodes_a_rank_failing_on_the_worker_node_is_named_with_its_traceback(
     two_nodes, tmp_path
 ):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing.connection
+import os
 import pickle
 import secrets
 import select
@@ -43,39 +44,66 @@ class RemoteRank:
     stderr: socket.socket
     diag: socket.socket
     events: Any  # multiprocessing.connection.Connection on the events socket
-    status: socket.socket
-    _events_sock: socket.socket | None = None
-    _status: bytes = b""
+    ended: socket.socket  # the status connection: the exit status, then EOF
+    events_socket: socket.socket  # ``events``'s socket (peeked at for its end)
+    _received: bytes = b""
     _code: int | None = None
     _reaped: bool = False
 
     @property
     def sentinel(self) -> int:
-        return self.status.fileno()
+        return self.ended.fileno()
 
     def exitcode(self) -> int | None:
-        """The rank's exit status once its actor sent it (never blocks)."""
-        if self._code is not None or self.status.fileno() < 0:
-            return self._code
-        while len(self._status) < wire.STATUS.size:
+        """The rank's exit status once its actor sent it and every stream has ended (never
+        blocks). A local rank's pipes hold all it wrote when it is dead; these connections
+        may still carry its last lines after the status arrived, and the relay must read them
+        before it hears of the exit."""
+        if self._code is None:
+            self._code = self._read_status()
+        if self._code is None or not (self._reaped or self._streams_ended()):
+            return None
+        return self._code
+
+    def has_exited(self) -> bool:
+        """Whether the rank has ended on its node (its streams may still be arriving)."""
+        if self._code is None:
+            self._code = self._read_status()
+        return self._code is not None
+
+    def _read_status(self) -> int | None:
+        while self.ended.fileno() >= 0 and len(self._received) < wire.STATUS.size:
             try:
-                chunk = self.status.recv(wire.STATUS.size - len(self._status), socket.MSG_DONTWAIT)
+                chunk = self.ended.recv(wire.STATUS.size - len(self._received), socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return None
             except OSError:
                 chunk = b""
             if not chunk:  # the actor died before it could say: it was killed
-                self._code = -signal.SIGKILL
-                return self._code
-            self._status += chunk
-        self._code = wire.STATUS.unpack(self._status)[0]
-        return self._code
+                return -signal.SIGKILL
+            self._received += chunk
+        if len(self._received) < wire.STATUS.size:
+            return -signal.SIGKILL  # closed here (torn down) without a status
+        return int(wire.STATUS.unpack(self._received)[0])
+
+    def _streams_ended(self) -> bool:
+        for s in (self.stdout, self.stderr, self.diag, self.events_socket):
+            if s.fileno() < 0:
+                continue
+            try:
+                if s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    return False  # unread data
+            except BlockingIOError:
+                return False  # open, nothing yet: the writer may still be there
+            except OSError:
+                continue
+        return True
 
     def reap(self) -> None:
         self._reaped = True
 
     def close_pipes(self) -> None:
-        for s in (self.stdout, self.stderr, self.diag, self.status):
+        for s in (self.stdout, self.stderr, self.diag, self.ended, self.events_socket):
             s.close()
         self.events.close()
 
@@ -166,15 +194,16 @@ class RayRankGroup:
                     c["stdout"],
                     c["stderr"],
                     c["diag"],
-                    multiprocessing.connection.Connection(c["events"].detach()),
+                    multiprocessing.connection.Connection(os.dup(c["events"].fileno())),
                     c["status"],
+                    c["events"],
                 )
             )
 
     # -- watching and stopping (RankGroup's interface) --------------------------------------
 
     def alive(self) -> list[RemoteRank]:
-        return [r for r in self.ranks if r.exitcode() is None]
+        return [r for r in self.ranks if not r.has_exited()]
 
     def was_stopped(self, rank: int) -> bool:
         return rank in self._stop_signal_sent

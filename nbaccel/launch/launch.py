@@ -202,7 +202,7 @@ class Launch:
         # the import cell), and a cell must not stay blank meanwhile.
         view.start(state)
         try:
-            if plan.info.start_method == "forkserver" and plan.cluster is None:
+            if plan.info.start_method == "forkserver":
                 _refuse_restart_under(plan.preload)
                 forkserver.ensure_server(plan.preload)
             group.start()  # stops what it started on any failure

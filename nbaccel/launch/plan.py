@@ -85,6 +85,7 @@ def resolve_plan(
     if cluster is not None:
         _check_cluster(cluster, num_nodes)
         cpu = cpu or not cluster.uses_gpus
+        method = "ray"  # started by the cluster's actors: no fork server, no start method here
     gpus = () if cpu else hardware.detect().gpus
     if cluster is None:  # this machine's capacity; a cluster's is its placement's to find
         capacity.check_process_count(nprocs, nprocs * num_nodes, on_cpu=not gpus)
