@@ -142,11 +142,16 @@ def test_two_ranks_all_reduce_print_return_and_a_failure_names_its_rank(head, tm
                 t = torch.tensor([float(dist.get_rank() + x)])
                 dist.all_reduce(t)
                 print(f"hello from {dist.get_rank()} of {dist.get_world_size()}")
+                for _ in nbaccel.progress(range(3), desc="steps"):
+                    nbaccel.log({"loss": t.item()}, step=1)
                 return t.item(), os.environ["LOCAL_RANK"], os.getpid()
 
-            values = nbaccel.notebook_launcher(
+            launch = nbaccel.notebook_launcher(
                 work, args=(1,), num_processes=2, cluster=cluster, return_all=True,
-                progress="text")
+                progress="text", block=False)
+            values = launch.result()
+            print("METRICS", launch.metrics(1))
+            print("BARS", [(b.n, b.total) for b in launch.state.ranks[1].bars.values()])
             print("VALUES", [v[:2] for v in values])
             print("PIDS", [v[2] for v in values])
 
@@ -166,6 +171,8 @@ def test_two_ranks_all_reduce_print_return_and_a_failure_names_its_rank(head, tm
         )
     )
     assert "VALUES [(3.0, '0'), (3.0, '1')]" in out, out
+    assert "METRICS [{'step': 1, 'loss': 3.0}" in out, out  # rank 1's, relayed from its node
+    assert "BARS [(3, 3)]" in out, out
     for rank in (0, 1):
         assert f"[rank{rank}] hello from {rank} of 2" in out, out
     pids = eval(out.split("PIDS ", 1)[1].splitlines()[0])
