@@ -50,7 +50,8 @@ class RankHost:
         """Connect to the kernel, start the rank with ``spec`` (a pickled RankSpec and its
         rendezvous); return the rank's pid. Runs on the actor's main thread, which lives as
         long as the actor, so the rank's parent-death signal means the actor's death."""
-        socks = {kind: wire.connect(tuple(kernel), token, rank, kind) for kind in wire.KINDS}
+        address = (str(kernel[0]), int(kernel[1]))  # a list, once through Ray's serializer
+        socks = {kind: wire.connect(address, token, rank, kind) for kind in wire.KINDS}
         fds = [socks[kind].fileno() for kind in PIPES]
         env = dict(os.environ)
         # Ray's GPU assignment for this actor overrides the kernel's (the rank copies the

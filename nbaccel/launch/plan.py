@@ -94,9 +94,11 @@ def resolve_plan(
     capabilities.check_precision(cfg.mixed_precision, gpus)
     capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
     port = _resolve_port(use_port, master_addr, node_rank, num_nodes)
-    function_bytes, arg_bytes, kwarg_bytes, transfer = _serialize(function, args, kwargs)
+    function_bytes, arg_bytes, kwarg_bytes, sealed = _serialize(function, args, kwargs)
+    transfer: shared_tensors.Transfer | None = sealed
     if cluster is not None:
-        transfer = _no_shared_memory(transfer)
+        _refuse_shared_memory(sealed)
+        transfer = None  # results come back pickled too, not through this machine's /dev/shm
 
     info = LaunchInfo(
         world_size=nprocs * num_nodes,
@@ -156,7 +158,7 @@ def _check_cluster(cluster: Any, num_nodes: int) -> None:
     cluster.check_available()
 
 
-def _no_shared_memory(transfer: shared_tensors.Transfer) -> None:
+def _refuse_shared_memory(transfer: shared_tensors.Transfer) -> None:
     """A cluster's ranks do not share this machine's memory: large tensors must be pickled."""
     if transfer.size:
         shared_tensors.release(transfer)
@@ -166,7 +168,6 @@ def _no_shared_memory(transfer: shared_tensors.Transfer) -> None:
             "way. Load or build them inside the function (e.g. from a path every node can "
             "read) and pass the path instead."
         )
-    return None  # results come back pickled too
 
 
 def _check_preload(preload: Any) -> tuple[str, ...]:
