@@ -11,7 +11,8 @@ dependency: ``pip install 'nbaccel[ray]'``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
+import logging
 import time
 from typing import Any
 
@@ -70,21 +71,23 @@ class RayCluster:
         return self.gpus_per_rank > 0
 
     def check_available(self) -> None:
-        """Raise an ``ImportError`` that says what to install when Ray is missing."""
-        try:
-            importlib.import_module("ray")
-        except ImportError as exc:
+        """Raise an ``ImportError`` that says what to install when Ray is missing (without
+        importing it: that takes seconds, and the launch does it when it connects)."""
+        if importlib.util.find_spec("ray") is None:
             raise ImportError(
-                f"cluster=RayCluster(...) needs Ray, which cannot be imported here ({exc}). "
-                "Install it with: pip install 'nbaccel[ray]'"
-            ) from None
+                "cluster=RayCluster(...) needs Ray, which is not installed here. Install it "
+                "with: pip install 'nbaccel[ray]'"
+            )
 
     def connect(self) -> Any:
         """Connect this kernel to the cluster once (``ray.init``); the ``ray`` module."""
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=self.address, log_to_driver=False, **self.init)
+            # Ray's own INFO lines and its workers' logs would fill the cell: the ranks' output
+            # comes through nbaccel's relay
+            settings = {"log_to_driver": False, "logging_level": logging.WARNING, **self.init}
+            ray.init(address=self.address, **settings)
         return ray
 
     def rank_resources(self) -> dict[str, float]:
