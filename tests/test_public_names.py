@@ -21,6 +21,7 @@ PUBLIC = [
     "LaunchStoppedError",
     "LaunchTimeoutError",
     "RankFailedError",
+    "RayCluster",
     "Ranks",
     "configure",
     "hardware",

@@ -104,10 +104,15 @@ class LaunchInfo:
 
     def describe(self) -> str:
         machines = f", node {self.node_rank}" if self.world_size != self.num_processes else ""
+        where = (
+            "on a Ray cluster"  # rank 0's node and port are the placement's
+            if self.start_method == "ray"
+            else f"{self.start_method}, {self.master_addr}:{self.master_port}"
+        )
         return (
             f"{self.num_processes} process{'es' if self.num_processes != 1 else ''} "
             f"on {self.device} ({self.backend}{machines}), mixed_precision={self.mixed_precision}, "
-            f"strategy={self.strategy}, {self.start_method}, {self.master_addr}:{self.master_port}"
+            f"strategy={self.strategy}, {where}"
         )
 
 

@@ -193,7 +193,11 @@ class Launch:
         view = self._view if self._view is not None else choose_view(self._progress)
         state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
         self.state = state
-        group = xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)
+        group = (
+            xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)
+            if plan.cluster is None
+            else plan.cluster.make_group(plan.specs)  # ranks on a cluster (nbaccel.cluster)
+        )
         # The view first: the fork server may still be importing torch (the first launch after
         # the import cell), and a cell must not stay blank meanwhile.
         view.start(state)

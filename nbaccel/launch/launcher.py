@@ -45,6 +45,7 @@ def notebook_launcher(
     env: dict[str, str | None] | None = None,
     view: View | None = None,
     block: bool = True,
+    cluster: Any = None,
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` ranks and return rank 0's return value.
 
@@ -65,7 +66,9 @@ def notebook_launcher(
     ``block=False`` returns a :class:`~nbaccel.launch.launch.Launch` at once and trains in the
     background while other cells run: ``.result()`` waits for rank 0's value (or raises the
     launch's error), ``.stop()``, ``.done()``, ``.status``, ``.metrics()``, ``await launch``
-    (see docs/background_launches.md).
+    (see docs/background_launches.md). ``cluster=nbaccel.RayCluster(...)`` runs the
+    ``num_processes`` ranks on a Ray cluster instead of this machine, shown as local ones
+    (see docs/multi_machine.md).
 
     Example::
 
@@ -100,6 +103,7 @@ def notebook_launcher(
         monitor_interval=monitor_interval,
         line_prefix=log_line_prefix_template,
         block=block,
+        cluster=cluster,
     )
 
 

@@ -34,6 +34,8 @@ class LaunchPlan:
     xla_threads: bool = False  # XLA devices as threads of one host process (launch.xla)
     max_restarts: int = 0  # relaunches of the whole group after a rank fails
     preload: tuple[str, ...] = ()  # modules the fork server imports once for every rank
+    # Where the ranks run when not here: a cluster.RayCluster (its make_group starts them)
+    cluster: Any = None
 
 
 def resolve_plan(
@@ -58,6 +60,7 @@ def resolve_plan(
     monitor_interval: float = 0.1,
     line_prefix: str | None = None,
     preload: Sequence[str] = (),
+    cluster: Any = None,
 ) -> LaunchPlan:
     """Check the inputs and build the plan; nothing is started. The defaults are
     ``notebook_launcher``'s: one machine, settings from the config or its default. ``cpu``
@@ -79,14 +82,23 @@ def resolve_plan(
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     method = check_start_method(resolve_start_method(cfg.start_method))
+    if cluster is not None:
+        _check_cluster(cluster, num_nodes)
+        cpu = cpu or not cluster.uses_gpus
+        method = "ray"  # started by the cluster's actors: no fork server, no start method here
     gpus = () if cpu else hardware.detect().gpus
-    capacity.check_process_count(nprocs, nprocs * num_nodes, on_cpu=not gpus)
+    if cluster is None:  # this machine's capacity; a cluster's is its placement's to find
+        capacity.check_process_count(nprocs, nprocs * num_nodes, on_cpu=not gpus)
     if cpu:
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
     capabilities.check_precision(cfg.mixed_precision, gpus)
     capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
     port = _resolve_port(use_port, master_addr, node_rank, num_nodes)
-    function_bytes, arg_bytes, kwarg_bytes, transfer = _serialize(function, args, kwargs)
+    function_bytes, arg_bytes, kwarg_bytes, sealed = _serialize(function, args, kwargs)
+    transfer: shared_tensors.Transfer | None = sealed
+    if cluster is not None:
+        _refuse_shared_memory(sealed)
+        transfer = None  # results come back pickled too, not through this machine's /dev/shm
 
     info = LaunchInfo(
         world_size=nprocs * num_nodes,
@@ -128,7 +140,34 @@ def resolve_plan(
     ]
     # -- XLA (PJRT_DEVICE set, or a TPU host): ranks as PJRT expects them (nbaccel.launch.xla)
     info, specs, xla_threads = xla.adapt_plan(info, specs)
-    return LaunchPlan(info, specs, timeout, xla_threads, cfg.max_restarts, preload)
+    return LaunchPlan(info, specs, timeout, xla_threads, cfg.max_restarts, preload, cluster)
+
+
+def _check_cluster(cluster: Any, num_nodes: int) -> None:
+    """``cluster=`` is a cluster nbaccel can place ranks on, with what it needs installed."""
+    if not callable(getattr(cluster, "make_group", None)):
+        raise TypeError(
+            f"cluster must be a cluster to run the ranks on, e.g. nbaccel.RayCluster(), "
+            f"got {type(cluster).__name__}."
+        )
+    if num_nodes != 1:
+        raise ValueError(
+            f"cluster= places the ranks itself; leave num_nodes (got {num_nodes}) and node_rank "
+            "out and pass the number of ranks as num_processes."
+        )
+    cluster.check_available()
+
+
+def _refuse_shared_memory(transfer: shared_tensors.Transfer) -> None:
+    """A cluster's ranks do not share this machine's memory: large tensors must be pickled."""
+    if transfer.size:
+        shared_tensors.release(transfer)
+        raise ValueError(
+            f"the arguments hold {transfer.size / 2**20:.0f} MiB of tensors or arrays, which "
+            "reach local ranks through shared memory but cannot reach a cluster's nodes that "
+            "way. Load or build them inside the function (e.g. from a path every node can "
+            "read) and pass the path instead."
+        )
 
 
 def _check_preload(preload: Any) -> tuple[str, ...]:
