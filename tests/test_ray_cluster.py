@@ -8,6 +8,7 @@ cores: one cluster for the module, and ``ray stop`` plus a check by pid at its e
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -27,6 +28,11 @@ import nbaccel
 from nbaccel.core.rendezvous import free_port
 from nbaccel.launch.plan import resolve_plan
 from tests import netns_helpers
+
+# The test clusters and their drivers agree on no token authentication: with RAY_AUTH_MODE
+# unset, a token left in ~/.ray by any earlier local ray.init() turns it on for `ray start` but
+# not for a driver's ray.init(address=...), which is then refused ("InvalidAuthToken").
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 if importlib.util.find_spec("ray") is None:  # pragma: no cover - the dev extra installs it
     pytest.skip("ray is not installed: pip install 'nbaccel[ray]'", allow_module_level=True)
@@ -72,16 +78,28 @@ def _cluster_processes(temp_dir: str) -> list[psutil.Process]:
     return found
 
 
+def _ray_start(run, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``ray start`` through ``run``, once more after a failed start: on a loaded 2-core
+    machine Ray's own node startup sometimes times out ("node timed out during startup")."""
+    for attempt in range(2):
+        started = run(argv, env=env, capture_output=True, text=True, timeout=180)
+        if started.returncode == 0 or attempt:
+            return started
+        run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    return started
+
+
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     """The address of a one-node Ray cluster with 3 CPUs, stopped (and checked) at the end."""
     temp_dir = str(tmp_path_factory.mktemp("ray"))
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    started = subprocess.run(
+    env = {**os.environ, **RAY_ENV}
+    started = _ray_start(
+        subprocess.run,
         [RAY, "start", "--head", f"--port={port}", "--num-cpus=3", "--num-gpus=0",
          "--include-dashboard=false", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1"],
-        env=env, capture_output=True, text=True, timeout=180,
+        env,
     )  # fmt: skip
     try:
         assert started.returncode == 0, started.stdout + started.stderr
@@ -112,7 +130,7 @@ def _driver(tmp_path: Path, head: str, body: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, **RAY_ENV, "PYTHONUNBUFFERED": "1"},
     )
 
 
@@ -277,17 +295,17 @@ def two_nodes(tmp_path_factory):
         net = netns_helpers.Network.hosts(2)
     except OSError as exc:
         pytest.skip(f"no network namespaces here: {exc}")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **RAY_ENV}
     head = f"{net.address(0)}:6379"
     try:
         for host, role in ((0, ["--head", "--port=6379", "--include-dashboard=false"]),
                            (1, [f"--address={head}"])):  # fmt: skip
             temp = str(tmp_path_factory.mktemp(f"ray-node{host}"))
-            started = net.run(
-                host,
+            started = _ray_start(
+                functools.partial(net.run, host),
                 [RAY, "start", *role, "--num-cpus=1", "--num-gpus=0", f"--temp-dir={temp}",
                  f"--node-ip-address={net.address(host)}"],
-                env=env, capture_output=True, text=True, timeout=180,
+                env,
             )  # fmt: skip
             assert started.returncode == 0, started.stdout + started.stderr
         yield net, head
@@ -324,7 +342,7 @@ def test_two_nodes_a_rank_failing_on_the_worker_node_is_named_with_its_traceback
     script = tmp_path / "driver.py"
     script.write_text("import nbaccel\ndef main():\n" + textwrap.indent(textwrap.dedent(body), "    ")
                       + "\nif __name__ == '__main__':\n    main()\n")  # fmt: skip
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **RAY_ENV, "PYTHONUNBUFFERED": "1"}
     out = _finish(
         net.popen(0, [sys.executable, str(script)], cwd=tmp_path, env=env, text=True,
                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
