@@ -26,8 +26,8 @@ from nbaccel.cluster import wire
 from nbaccel.cluster.node import RankHost
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
+from nbaccel.launch.group import StopSequence
 
-STOP_GRACE = 3.0
 CONNECT_TIMEOUT = 60.0  # s for every rank's connections to arrive once its actor started it
 KILL_WAIT = 10.0  # s a SIGKILLed remote rank gets to report before its actor is killed
 
@@ -108,13 +108,14 @@ class RemoteRank:
         self.events.close()
 
 
-class RayRankGroup:
+class RayRankGroup(StopSequence):
     """The ranks of one launch on a Ray cluster (see the module docstring).
 
     ``cluster`` is the :class:`~nbaccel.cluster.ray_cluster.RayCluster` that places them.
     """
 
     start_method = "ray"
+    _kill_wait = KILL_WAIT  # then its actor is killed: a node may be slow to answer
 
     def __init__(self, specs: list[RankSpec], cluster: Any) -> None:
         self.specs = specs
@@ -211,26 +212,6 @@ class RayRankGroup:
     def send_signal(self, ranks: list[RemoteRank], sig: int) -> None:
         for r in ranks:
             r.actor.signal.remote(int(sig), False)
-
-    def begin_stop(self, grace: float) -> None:
-        if self._kill_at is not None:
-            return
-        self._kill_at = time.monotonic() + grace
-        self._signal_trees(signal.SIGTERM)
-
-    def poll_stop(self) -> None:
-        if self._kill_at is not None and time.monotonic() >= self._kill_at:
-            self._signal_trees(signal.SIGKILL)
-
-    def stop(self, grace: float = STOP_GRACE) -> None:
-        """SIGTERM every rank on its node, SIGKILL after ``grace``; then reap (kill the actors)."""
-        self.begin_stop(grace)
-        assert self._kill_at is not None
-        if not self.wait(max(0.0, self._kill_at - time.monotonic())):
-            self._kill_at = time.monotonic()
-            self.poll_stop()
-            self.wait(KILL_WAIT)
-        self.reap()
 
     def _signal_trees(self, sig: int) -> None:
         alive = self.alive()

@@ -63,7 +63,49 @@ class RankProcess:
             conn.close()
 
 
-class RankGroup:
+class StopSequence:
+    """The one stop sequence of a group of ranks, local or on a cluster: SIGTERM to every live
+    rank and its children, SIGKILL after a grace period. :meth:`begin_stop`/:meth:`poll_stop`
+    never block (the loop's ``RunJob`` calls them); :meth:`stop` is the blocking form for
+    cleanup paths. A group supplies ``_signal_trees(sig)``, ``wait(timeout)`` and ``reap()``,
+    and ``_kill_wait``: how long its SIGKILLed ranks get before they are reaped anyway."""
+
+    _kill_at: float | None = None  # set by begin_stop
+    _kill_wait: float | None = None  # None: as long as it takes
+
+    def _signal_trees(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None) -> bool:
+        raise NotImplementedError
+
+    def reap(self) -> None:
+        raise NotImplementedError
+
+    def begin_stop(self, grace: float) -> None:
+        """Ask every live rank and its children to stop (SIGTERM) now, once; returns at once."""
+        if self._kill_at is not None:
+            return
+        self._kill_at = time.monotonic() + grace
+        self._signal_trees(signal.SIGTERM)
+
+    def poll_stop(self) -> None:
+        """SIGKILL whatever is still alive once the grace period of :meth:`begin_stop` is over."""
+        if self._kill_at is not None and time.monotonic() >= self._kill_at:
+            self._signal_trees(signal.SIGKILL)
+
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop every rank: SIGTERM, SIGKILL after ``grace`` seconds, then reap them all."""
+        self.begin_stop(grace)
+        assert self._kill_at is not None
+        if not self.wait(max(0.0, self._kill_at - time.monotonic())):
+            self._kill_at = time.monotonic()
+            self.poll_stop()
+            self.wait(self._kill_wait)
+        self.reap()
+
+
+class RankGroup(StopSequence):
     """The ranks of one launch: start them, signal them, and reap them and their children.
 
     Example::
@@ -169,31 +211,7 @@ class RankGroup:
             except ProcessLookupError:
                 pass
 
-    # -- the one stop sequence: SIGTERM to every live rank and its children, SIGKILL after a
-    #    grace period. begin_stop/poll_stop never block (the loop's RunJob calls them); stop()
-    #    is the blocking form for cleanup paths.
-
-    def begin_stop(self, grace: float) -> None:
-        """Ask every live rank and its children to stop (SIGTERM) now, once; returns at once."""
-        if self._kill_at is not None:
-            return
-        self._kill_at = time.monotonic() + grace
-        self._signal_trees(signal.SIGTERM)
-
-    def poll_stop(self) -> None:
-        """SIGKILL whatever is still alive once the grace period of :meth:`begin_stop` is over."""
-        if self._kill_at is not None and time.monotonic() >= self._kill_at:
-            self._signal_trees(signal.SIGKILL)
-
-    def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop every rank: SIGTERM, SIGKILL after ``grace`` seconds, then reap them all."""
-        self.begin_stop(grace)
-        remaining = max(0.0, self._kill_at - time.monotonic())
-        if not self.wait(remaining):
-            self._kill_at = time.monotonic()
-            self.poll_stop()
-            self.wait(None)
-        self.reap()
+    # -- the stop sequence is StopSequence's; what a signal reaches is the group's
 
     def _signal_trees(self, sig: int) -> None:
         alive = self.alive()
