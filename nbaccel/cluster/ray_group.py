@@ -219,17 +219,6 @@ class RayRankGroup(StopSequence):
         for r in alive:
             r.actor.signal.remote(int(sig), True)
 
-    def wait(self, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            alive = self.alive()
-            if not alive:
-                return True
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            multiprocessing.connection.wait([r.sentinel for r in alive], remaining)
-
     def reap(self) -> None:
         """Collect what each node's sweep killed, then end the actors and the placement group
         (a rank still running dies with its actor)."""

@@ -67,17 +67,30 @@ class StopSequence:
     """The one stop sequence of a group of ranks, local or on a cluster: SIGTERM to every live
     rank and its children, SIGKILL after a grace period. :meth:`begin_stop`/:meth:`poll_stop`
     never block (the loop's ``RunJob`` calls them); :meth:`stop` is the blocking form for
-    cleanup paths. A group supplies ``_signal_trees(sig)``, ``wait(timeout)`` and ``reap()``,
-    and ``_kill_wait``: how long its SIGKILLed ranks get before they are reaped anyway."""
+    cleanup paths. A group supplies ``alive()`` (its ranks still running, each with a
+    ``sentinel``), ``_signal_trees(sig)`` and ``reap()``, and ``_kill_wait``: how long its
+    SIGKILLed ranks get before they are reaped anyway."""
 
     _kill_at: float | None = None  # set by begin_stop
     _kill_wait: float | None = None  # None: as long as it takes
+
+    def alive(self) -> list[Any]:
+        raise NotImplementedError
 
     def _signal_trees(self, sig: int) -> None:
         raise NotImplementedError
 
     def wait(self, timeout: float | None) -> bool:
-        raise NotImplementedError
+        """Wait until every rank has exited or ``timeout`` passes; report whether all exited."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            alive = self.alive()
+            if not alive:
+                return True
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            multiprocessing.connection.wait([r.sentinel for r in alive], remaining)
 
     def reap(self) -> None:
         raise NotImplementedError
@@ -224,18 +237,6 @@ class RankGroup(StopSequence):
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
             processes.signal_all(children, sig)
-
-    def wait(self, timeout: float | None) -> bool:
-        """Wait until every rank has exited or ``timeout`` passes; report whether all exited."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            alive = self.alive()
-            if not alive:
-                return True
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            multiprocessing.connection.wait([r.sentinel for r in alive], remaining)
 
     def reap(self) -> None:
         """Reap every rank (they must have exited), then kill what they left running."""
