@@ -351,3 +351,43 @@ def test_two_nodes_a_rank_failing_on_the_worker_node_is_named_with_its_traceback
     failed = out.split("FAILED rank ", 1)[1].splitlines()[0]
     assert "RuntimeError: the worker node's shard is missing" in failed, out
     assert 'raise RuntimeError("the worker node' in failed, failed  # its traceback
+
+
+@pytest.mark.slow
+def test_from_a_real_kernel_a_cells_function_runs_on_the_cluster_and_fails_by_rank(head):
+    """The notebook experience: a function defined in a cell, launched on the cluster from a
+    real ipykernel; its lines reach the cell labelled, its value comes back, and a rank that
+    raises is named with the cell's own traceback."""
+    from tests.kernel_helpers import KernelSession
+
+    env = {**RAY_ENV, "NBACCEL_VIEW": "text"}
+    with KernelSession(env=env, startup="import nbaccel") as kernel:
+        code = textwrap.dedent(f"""
+            cluster = nbaccel.RayCluster(address={head!r})
+
+            def work(scale):
+                import torch, torch.distributed as dist
+                dist.init_process_group("gloo")
+                t = torch.tensor([float(dist.get_rank() + 1)])
+                dist.all_reduce(t)
+                print(f"sum {{t.item()}} on rank {{dist.get_rank()}}")
+                if scale < 0 and dist.get_rank() == 1:
+                    raise ValueError("negative scale on rank 1")
+                return t.item() * scale
+
+            nbaccel.notebook_launcher(work, args=(10,), num_processes=2, cluster=cluster)
+        """).strip()
+        cell = kernel.execute(code, timeout=240)
+        assert cell.error is None, cell.error_text
+        assert cell.results[-1]["text/plain"] == "30.0"
+        assert "[rank0] sum 3.0 on rank 0" in cell.stdout, cell.stdout
+        assert "[rank1] sum 3.0 on rank 1" in cell.stdout, cell.stdout
+        failed = kernel.execute(
+            "nbaccel.notebook_launcher(work, args=(-1,), num_processes=2, cluster=cluster)",
+            timeout=240,
+        )
+        assert failed.error is not None and failed.error["ename"] == "RankFailedError"
+        text = failed.error_text
+        assert "rank 1 (of 2) raised ValueError: negative scale on rank 1" in text, text
+        assert 'raise ValueError("negative scale on rank 1")' in text, text
+        assert kernel.leftovers() == []
