@@ -125,15 +125,17 @@ class _Pickler(cloudpickle.Pickler):
 
 def dumps(value: Any) -> bytes:
     """Pickle ``value`` for any process (a rank's result or exception for the kernel)."""
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
-    return buffer.getvalue()
+    return _dump(value, main_by_reference=False)
 
 
 def to_ranks(value: Any) -> bytes:
     """Pickle ``value`` in the kernel for the ranks, which load it with :func:`loads`."""
+    return _dump(value, main_by_reference=True)
+
+
+def _dump(value: Any, main_by_reference: bool) -> bytes:
     buffer = io.BytesIO()
-    _Pickler(buffer, cloudpickle.DEFAULT_PROTOCOL, main_by_reference=True).dump(value)
+    _Pickler(buffer, cloudpickle.DEFAULT_PROTOCOL, main_by_reference).dump(value)
     return buffer.getvalue()
 
 
