@@ -23,6 +23,12 @@ from nbaccel.core.events import RankSpec
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
+def _no_sigterm_warning(record: logging.LogRecord) -> bool:
+    """Drop Ray's "SIGTERM handler is not set" warning: a background launch connects from its
+    own thread, and a kernel needs no handler of Ray's (SIGTERM already ends it)."""
+    return "SIGTERM handler is not set" not in record.getMessage()
+
+
 @dataclasses.dataclass(frozen=True)
 class RayCluster:
     """A Ray cluster to run a launch's ranks on.
@@ -87,7 +93,12 @@ class RayCluster:
             # Ray's own INFO lines and its workers' logs would fill the cell: the ranks' output
             # comes through nbaccel's relay
             settings = {"log_to_driver": False, "logging_level": logging.WARNING, **self.init}
-            ray.init(address=self.address, **settings)
+            ray_worker_log = logging.getLogger("ray._private.worker")
+            ray_worker_log.addFilter(_no_sigterm_warning)
+            try:
+                ray.init(address=self.address, **settings)
+            finally:
+                ray_worker_log.removeFilter(_no_sigterm_warning)
         return ray
 
     def rank_resources(self) -> dict[str, float]:
