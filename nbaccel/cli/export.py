@@ -34,15 +34,12 @@ import textwrap
 import warnings
 from pathlib import Path
 
+from nbaccel.cli.ipython_syntax import clean_cell
 from nbaccel.core.atomic import atomic_write
 
 SKIP_TAG = "skip-export"
 HEADER = "# Exported from {name} by `nbaccel export`; run it with: nbaccel launch {script}\n"
 _MARKER = "by `nbaccel export`"
-# Cell magics whose body is ordinary Python: keep the body, comment out the magic line.
-_PYTHON_CELL_MAGICS = {"time", "timeit", "capture", "prun"}
-_ASSIGNED_ESCAPE = re.compile(r"^[\w.,\s\[\]()*]+=\s*[!%]")
-_HELP = re.compile(r"^(\?{1,2}[\w.]+|[\w.]+\?{1,2})\s*$")  # `obj?`, `obj??`, `?obj`
 
 
 class ExportWarning(UserWarning):
@@ -51,41 +48,6 @@ class ExportWarning(UserWarning):
 
 class ExportError(Exception):
     """The notebook cannot be exported as asked; the message says why and what to do."""
-
-
-def _comment(line: str, why: str) -> str:
-    indent = line[: len(line) - len(line.lstrip())]
-    return f"{indent}# {line.strip()}  # ({why}, removed by nbaccel export)"
-
-
-def clean_cell(source: str) -> str:
-    """Remove IPython-only syntax from one cell's source (magics and shell escapes)."""
-    try:
-        ast.parse(source)
-        return source  # plain Python already (e.g. a `%` continuing an expression): keep it
-    except SyntaxError:
-        pass
-    lines = source.splitlines()
-    first = lines[0].strip() if lines else ""
-    if first.startswith("%%"):
-        magic = first[2:].split()[0] if first[2:].split() else ""
-        if magic in _PYTHON_CELL_MAGICS:
-            return "\n".join([_comment(lines[0], "cell magic"), *_clean_lines(lines[1:])])
-        return "\n".join(_comment(line, f"%%{magic} cell") for line in lines)
-    return "\n".join(_clean_lines(lines))
-
-
-def _clean_lines(lines: list[str]) -> list[str]:
-    out = []
-    for line in lines:
-        stripped = line.lstrip()
-        if stripped.startswith(("%", "!")):
-            out.append(_comment(line, "IPython magic" if stripped[0] == "%" else "shell escape"))
-        elif _ASSIGNED_ESCAPE.match(stripped) or _HELP.match(stripped):
-            out.append(_comment(line, "IPython syntax"))
-        else:
-            out.append(line)
-    return out
 
 
 def _is_launcher_call(node: ast.AST) -> bool:
