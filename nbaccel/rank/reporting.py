@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nbaccel.core import events
+from nbaccel.rank import accelerate_state
 
 EMIT_INTERVAL = 0.1  # seconds between progress events of one bar (the final state always goes)
 TEXT_INTERVAL = 0.1  # seconds between redraws of the plain-text bar outside a launch
@@ -39,6 +40,9 @@ _bar_ids = itertools.count()
 _backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
 _pending: dict[str, tuple[int | None, Any]] = {}  # name -> latest (step, value) not yet sent
 _metrics_seen_tick = -1  # the tick at which metrics were last sent
+# What report_settings last sent: "nbaccel" once nbaccel's Accelerator reported, else the
+# settings read from Accelerate's (see accelerate_state), or None.
+_settings_sent: Any = None
 
 # Advanced by the ticker thread every EMIT_INTERVAL (a list so hot loops read it without a global
 # lookup); started by the first bar or log() under a launch, again in a forked child.
@@ -113,6 +117,8 @@ class ProgressBar:
         self._width = 0
         if not disable:
             self._report(force=True)
+            if self.rank is not None:
+                accelerate_state.report()  # a Trainer's bar starts after its Accelerator
 
     # -- tqdm's surface ---------------------------------------------------------------------
 
@@ -383,10 +389,19 @@ def flush() -> None:
         _ship(rank, block=True)
 
 
-def report_settings(mixed_precision: str, strategy: str, device: str, accumulation: int) -> None:
+def report_settings(
+    mixed_precision: str, strategy: str, device: str, accumulation: int, source: str = "nbaccel"
+) -> None:
     """Tell the kernel what this rank's Accelerator runs, so the dashboard shows the effective
-    settings (a no-op outside a launch)."""
+    settings (a no-op outside a launch). ``source="accelerate"``: read from Accelerate's own
+    Accelerator (``accelerate_state``); sent only when changed, and never over what nbaccel's
+    own Accelerator reported in this rank."""
+    global _settings_sent
     rank = events.current_rank()
-    if rank is not None:
-        settings = events.RankSettings(rank, mixed_precision, strategy, device, accumulation)
-        events.emit(settings)
+    if rank is None:
+        return
+    settings = events.RankSettings(rank, mixed_precision, strategy, device, accumulation)
+    if source != "nbaccel" and (_settings_sent == "nbaccel" or _settings_sent == settings):
+        return
+    _settings_sent = "nbaccel" if source == "nbaccel" else settings
+    events.emit(settings)
