@@ -17,11 +17,11 @@ from nbaccel.core import events, pickling, processes, proctitle, rendezvous, sha
 from nbaccel.core.disk_space import OutOfSpaceError
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import (
-    accelerate_state,
     containment,
     exit,
     process_setup,
     reporting,
+    settings_report,
     torch_fixes,
     tqdm_hook,
     twin,
@@ -146,7 +146,7 @@ def run_job(
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
         raised = exc
     code, failure = exit.outcome(raised)
-    accelerate_state.report()  # what Accelerate's Accelerator ran, for the summary
+    settings_report.report_accelerate()  # what Accelerate's Accelerator ran, for the summary
     if flush_metrics:
         reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:

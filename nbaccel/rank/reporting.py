@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nbaccel.core import events
-from nbaccel.rank import accelerate_state
+from nbaccel.rank import settings_report
 
 EMIT_INTERVAL = 0.1  # seconds between progress events of one bar (the final state always goes)
 TEXT_INTERVAL = 0.1  # seconds between redraws of the plain-text bar outside a launch
@@ -40,9 +40,6 @@ _bar_ids = itertools.count()
 _backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
 _pending: dict[str, tuple[int | None, Any]] = {}  # name -> latest (step, value) not yet sent
 _metrics_seen_tick = -1  # the tick at which metrics were last sent
-# What report_settings last sent: "nbaccel" once nbaccel's Accelerator reported, else the
-# settings read from Accelerate's (see accelerate_state), or None.
-_settings_sent: Any = None
 
 # Advanced by the ticker thread every EMIT_INTERVAL (a list so hot loops read it without a global
 # lookup); started by the first bar or log() under a launch, again in a forked child.
@@ -118,7 +115,7 @@ class ProgressBar:
         if not disable:
             self._report(force=True)
             if self.rank is not None:
-                accelerate_state.report()  # a Trainer's bar starts after its Accelerator
+                settings_report.report_accelerate()  # a Trainer's bar starts after its Accelerator
 
     # -- tqdm's surface ---------------------------------------------------------------------
 
@@ -387,21 +384,3 @@ def flush() -> None:
     rank = events.current_rank()
     if rank is not None:
         _ship(rank, block=True)
-
-
-def report_settings(
-    mixed_precision: str, strategy: str, device: str, accumulation: int, source: str = "nbaccel"
-) -> None:
-    """Tell the kernel what this rank's Accelerator runs, so the dashboard shows the effective
-    settings (a no-op outside a launch). ``source="accelerate"``: read from Accelerate's own
-    Accelerator (``accelerate_state``); sent only when changed, and never over what nbaccel's
-    own Accelerator reported in this rank."""
-    global _settings_sent
-    rank = events.current_rank()
-    if rank is None:
-        return
-    settings = events.RankSettings(rank, mixed_precision, strategy, device, accumulation)
-    if source != "nbaccel" and (_settings_sent == "nbaccel" or _settings_sent == settings):
-        return
-    _settings_sent = "nbaccel" if source == "nbaccel" else settings
-    events.emit(settings)
