@@ -167,3 +167,29 @@ def test_a_lora_adapter_trained_on_the_ranks_reloads_in_the_kernel(kernel):
     same, files = _json_line(kernel.execute(LORA, timeout=300))
     assert "adapter_model.safetensors" in files and "adapter_config.json" in files
     assert same  # the adapter saved by rank 0 gives the trained model's logits, bit for bit
+
+
+BF16 = """\
+def bf16(out_dir):
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=2, max_steps=1, report_to=[],
+        save_strategy="no", remove_unused_columns=False, bf16=True, use_cpu=True,
+    )
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    batch = lambda items: {k: v for k, v in collate(items).items() if k != "index"}
+    Trainer(model=model, args=args, train_dataset=Numbers(), data_collator=batch).train()
+    return args.world_size
+
+print(nbaccel.notebook_launcher(bf16, args=(tempfile.mkdtemp(),), num_processes=2))
+"""
+
+
+def test_the_summary_says_what_the_trainers_accelerator_ran(kernel):
+    # The Trainer's own Accelerate Accelerator runs bf16 while the launch said "no": the
+    # ranks report it, as nbaccel's Accelerator does (the summary said mixed_precision=no).
+    cell = kernel.execute(BF16, timeout=300)
+    assert cell.error is None, cell.error_text
+    shown = cell.stdout + "".join(r.get("text/plain", "") for r in cell.results)
+    assert "the ranks run mixed_precision=bf16 (set in code)" in shown, shown
+    assert "mixed_precision=bf16 (set in code), strategy=ddp" in shown, shown
+    assert cell.stdout.strip().splitlines()[-1] == "2"

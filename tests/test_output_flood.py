@@ -191,6 +191,12 @@ def test_500k_lines(kernel):
     assert "line 499999" in text and "the end" in text
     if kernel.view == "text":
         assert "lines not shown here (too much output); every line is in" in text
+    else:  # the saved summary counts every line printed, not the 1,000 its pane kept
+        kept = f"the first {LINES + 1 - 1000:,} are not kept here; every line is in {kernel.logs}/"
+        assert f"-- rank 0: the last 20 of {LINES + 1:,} lines ({kept}" in text, text[-3000:]
+        html = cell.of_type("update_display_data")[-1]["content"]["data"]["text/html"]
+        assert f"show the 990 earlier lines ({kept}" in html
+        assert "lines not kept]" not in html  # no count posing as a line the rank printed
     data = log_of(kernel)
     assert data.count(b"\n") == LINES + 1 and data.endswith(b"line 499999\nthe end\n")
     assert not kernel.leftovers()

@@ -6,6 +6,7 @@ regression shows up in ``pytest -m "not slow"`` first.
 
 from __future__ import annotations
 
+import os
 import signal
 import types
 
@@ -268,6 +269,16 @@ def test_env_none_removes_a_variable_and_values_become_strings(monkeypatch):
     assert env["ACCELERATE_USE_CPU"] == "true"  # Accelerate's CPU ranks form a group too
     own = plan._worker_env(info, LaunchConfig(), {"ACCELERATE_USE_CPU": "false"})
     assert own["ACCELERATE_USE_CPU"] == "false"  # the user's own setting wins
+
+
+def test_nbaccel_launch_hands_its_precision_to_accelerate(monkeypatch):
+    # accelerate.Accelerator() and TrainingArguments in the script read it, as under
+    # `accelerate launch --mixed_precision bf16`; they trained in fp32 before.
+    from nbaccel.cli import launch as cli_launch
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if "ACCEL" not in k})
+    cli_launch._set_environment(LaunchConfig(num_processes=2, mixed_precision="bf16"), 2)
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "bf16"
 
 
 # -- the data plan: each rank's batches of one epoch --------------------------------------

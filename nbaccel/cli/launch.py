@@ -170,7 +170,7 @@ def _set_environment(cfg: LaunchConfig, nprocs: int) -> None:
         rendezvous.launcher_environment(cfg.worker_env(), "cli", cfg.main_process_ip, one_machine)
     )
     device = "cuda" if hardware.detect().gpu_count else "cpu"  # what the ranks' Accelerator picks
-    for key, value in third_party_env(device).items():
+    for key, value in third_party_env(device, cfg.mixed_precision).items():
         os.environ.setdefault(key, value)
     os.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = DEFAULT_LINE_PREFIX
     os.environ["PYTHONUNBUFFERED"] = "1"  # lines reach the labelled output as they are printed

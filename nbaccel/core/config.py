@@ -39,16 +39,23 @@ ENV_LAUNCHER = "NBACCEL_LAUNCHER"
 # Accelerate (and transformers' Trainer, through it) runs distributed on CPU ranks only when told
 # (`cpu=True` or this variable); otherwise each CPU rank is "process 0 of 1" and trains alone.
 ENV_ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
+# Accelerate's Accelerator() and transformers' TrainingArguments take their default precision
+# from this, as Accelerate's own launchers set it; without it they train in fp32 silently.
+ENV_ACCELERATE_MIXED_PRECISION = "ACCELERATE_MIXED_PRECISION"
 
 
-def third_party_env(device: str) -> dict[str, str]:
+def third_party_env(device: str, mixed_precision: str = "no") -> dict[str, str]:
     """What other libraries in the ranks read to see the launch as nbaccel runs it: on CPU
-    ranks, Accelerate's ``ACCELERATE_USE_CPU``.
+    ranks, Accelerate's ``ACCELERATE_USE_CPU``; a launch's precision other than "no", as
+    Accelerate's ``ACCELERATE_MIXED_PRECISION``.
 
-    >>> third_party_env("cpu"), third_party_env("cuda")
-    ({'ACCELERATE_USE_CPU': 'true'}, {})
+    >>> third_party_env("cpu"), third_party_env("cuda", "bf16")
+    ({'ACCELERATE_USE_CPU': 'true'}, {'ACCELERATE_MIXED_PRECISION': 'bf16'})
     """
-    return {ENV_ACCELERATE_USE_CPU: "true"} if device == "cpu" else {}
+    env = {ENV_ACCELERATE_USE_CPU: "true"} if device == "cpu" else {}
+    if mixed_precision != "no":
+        env[ENV_ACCELERATE_MIXED_PRECISION] = mixed_precision
+    return env
 
 
 class ConfigError(ValueError):

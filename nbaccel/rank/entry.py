@@ -16,7 +16,16 @@ from typing import Any
 from nbaccel.core import events, pickling, processes, proctitle, rendezvous, shared_tensors
 from nbaccel.core.disk_space import OutOfSpaceError
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
-from nbaccel.rank import containment, exit, process_setup, reporting, torch_fixes, tqdm_hook, twin
+from nbaccel.rank import (
+    containment,
+    exit,
+    process_setup,
+    reporting,
+    settings_report,
+    torch_fixes,
+    tqdm_hook,
+    twin,
+)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -137,6 +146,7 @@ def run_job(
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
         raised = exc
     code, failure = exit.outcome(raised)
+    settings_report.report_accelerate()  # what Accelerate's Accelerator ran, for the summary
     if flush_metrics:
         reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from nbaccel.core import events
+from nbaccel.rank import settings_report
 
 EMIT_INTERVAL = 0.1  # seconds between progress events of one bar (the final state always goes)
 TEXT_INTERVAL = 0.1  # seconds between redraws of the plain-text bar outside a launch
@@ -113,6 +114,8 @@ class ProgressBar:
         self._width = 0
         if not disable:
             self._report(force=True)
+            if self.rank is not None:
+                settings_report.report_accelerate()  # a Trainer's bar starts after its Accelerator
 
     # -- tqdm's surface ---------------------------------------------------------------------
 
@@ -381,12 +384,3 @@ def flush() -> None:
     rank = events.current_rank()
     if rank is not None:
         _ship(rank, block=True)
-
-
-def report_settings(mixed_precision: str, strategy: str, device: str, accumulation: int) -> None:
-    """Tell the kernel what this rank's Accelerator runs, so the dashboard shows the effective
-    settings (a no-op outside a launch)."""
-    rank = events.current_rank()
-    if rank is not None:
-        settings = events.RankSettings(rank, mixed_precision, strategy, device, accumulation)
-        events.emit(settings)

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
-from nbaccel.rank import reporting
+from nbaccel.rank import settings_report
 from nbaccel.training import data, data_compat
 from nbaccel.training.accelerator_options import resolve_options
 from nbaccel.training.accelerator_processes import ProcessControl
@@ -163,7 +163,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             accumulation_steps=opts.steps, sync_each_batch=opts.sync_each_batch
         )
         self.gradient_state = self._gs  # Accelerate's public name for the same object
-        reporting.report_settings(self.mixed_precision, self.strategy, str(self.device), opts.steps)
+        settings_report.report_settings(
+            self.mixed_precision, self.strategy, str(self.device), opts.steps
+        )
         self.device_placement = device_placement
         self.dataloader_config = opts.dataloader_config
         self.project_configuration = opts.project_config

@@ -116,14 +116,12 @@ class Dashboard:
             return
         self._memory.sample(self._state, force=True)
         self._push(time.monotonic(), final=True)
-        outputs = {
-            r: ([f"[{buf.dropped:,} earlier lines not kept]"] if buf.dropped else []) + buf.lines()
-            for r, buf in self._outputs.items()
-        }
+        outputs = {r: buf.lines() for r, buf in self._outputs.items()}
+        dropped = {r: buf.dropped for r, buf in self._outputs.items()}
         title = self._title(self._state) if self._title is not None else None
         bundle = {
-            "text/plain": summary_text(self._state, outputs, title),
-            "text/html": summary_html(self._state, outputs, charts=True, title=title),
+            "text/plain": summary_text(self._state, outputs, title, dropped),
+            "text/html": summary_html(self._state, outputs, True, title, dropped),
         }
         if self._handle is not None:
             self._handle.update(bundle, raw=True)

@@ -251,10 +251,14 @@ def headline(state: LaunchState) -> str:
 
 
 def summary_text(
-    state: LaunchState, outputs: dict[int, list[str]] | None = None, title: str | None = None
+    state: LaunchState,
+    outputs: dict[int, list[str]] | None = None,
+    title: str | None = None,
+    dropped: dict[int, int] | None = None,
 ) -> str:
     """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too.
-    ``title`` replaces the launch's headline."""
+    ``title`` replaces the launch's headline; ``dropped`` (rank -> count): lines printed before
+    ``outputs`` that were not kept."""
     header, body = _rows(state)
     rows = [header, *body]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -268,9 +272,11 @@ def summary_text(
         lines.append(f"  {logs_line(state)}")
     for rank, tail in sorted((outputs or {}).items()):
         if tail:
-            if len(tail) > TEXT_TAIL:
+            lost = (dropped or {}).get(rank, 0)
+            if len(tail) + lost > TEXT_TAIL:
+                printed = plural(len(tail) + lost, "line")
                 lines.append(
-                    f"-- rank {rank}: the last {TEXT_TAIL} of {plural(len(tail), 'line')} --"
+                    f"-- rank {rank}: the last {TEXT_TAIL} of {printed}{_all_in(state, rank, lost)} --"
                 )
             lines += [f"{state.info.label(rank)}{line}" for line in tail[-TEXT_TAIL:]]
     return "\n".join(lines)
@@ -295,17 +301,27 @@ def plural(n: int, word: str) -> str:
 PRE = "margin:0;padding:0 4px;white-space:pre-wrap;overflow-wrap:anywhere"
 
 
-def output_html(rank: int, lines: list[str], label: str) -> str:
+def _all_in(state: LaunchState, rank: int, dropped: int) -> str:
+    """Where the lines the summary lost are ("" when it lost none)."""
+    if not dropped:
+        return ""
+    log = state.log_path(rank, "*")
+    where = f"; every line is in {log}" if log else ""
+    return f" (the first {dropped:,} are not kept here{where})"
+
+
+def output_html(rank: int, lines: list[str], label: str, dropped: str = "") -> str:
     """A finished rank's output as the cell keeps it: its last ``SHOWN_LINES`` lines in view,
     labelled as the text view labels them (``[rank0] …``), the earlier ones folded above them
-    (a ``<details>`` that opens in place, so a saved notebook keeps every line)."""
+    (a ``<details>`` that opens in place, so a saved notebook keeps every line it kept).
+    ``dropped``: what was printed before ``lines`` and not kept (see ``_all_in``)."""
     labelled = [html.escape(f"{label}{line}") for line in lines]
     earlier, shown = labelled[:-SHOWN_LINES], labelled[-SHOWN_LINES:]
     fold = ""
     if earlier:
         fold = (
             f"<details><summary style='cursor:pointer;color:#57606a'>rank {rank}: show the "
-            f"{plural(len(earlier), 'earlier line')}</summary>"
+            f"{plural(len(earlier), 'earlier line')}{html.escape(dropped)}</summary>"
             f"<pre style='{PRE};max-height:30em;overflow:auto'>{chr(10).join(earlier)}</pre>"
             "</details>"
         )
@@ -320,11 +336,12 @@ def summary_html(
     outputs: dict[int, list[str]] | None = None,
     charts: bool = False,
     title: str | None = None,
+    dropped: dict[int, int] | None = None,
 ) -> str:
     """The table as static HTML; optionally the metric charts (SVG) and each rank's output
-    (:func:`output_html`), so a saved notebook keeps what the live dashboard showed.
-    ``title`` replaces the launch's headline (a ``%%ranks`` cell's status), and then the log
-    folder goes unsaid: the cell shows its lines itself."""
+    (:func:`output_html`; ``dropped`` as for :func:`summary_text`), so a saved notebook keeps
+    what the live dashboard showed. ``title`` replaces the launch's headline (a ``%%ranks``
+    cell's status), and then the log folder goes unsaid: the cell shows its lines itself."""
     header, rows = _rows(state)
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in header)
     body = []
@@ -355,7 +372,9 @@ def summary_html(
 
         after += metrics_charts({r.rank: r.history for r in state.ranks.values()})
     after += "".join(
-        output_html(rank, tail, state.info.label(rank))
+        output_html(
+            rank, tail, state.info.label(rank), _all_in(state, rank, (dropped or {}).get(rank, 0))
+        )
         for rank, tail in sorted((outputs or {}).items())
         if tail
     )
