@@ -255,6 +255,7 @@ def test_fork_is_allowed_before_cuda(monkeypatch):
 
 def test_env_none_removes_a_variable_and_values_become_strings(monkeypatch):
     monkeypatch.setenv("NBACCEL_UNIT_DROP", "1")
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     info = types.SimpleNamespace(
         world_size=2,
         num_processes=2,
@@ -262,6 +263,7 @@ def test_env_none_removes_a_variable_and_values_become_strings(monkeypatch):
         master_addr="127.0.0.1",
         master_port=1234,
         device="cpu",
+        mixed_precision="no",
     )
     env = plan._worker_env(info, LaunchConfig(), {"NBACCEL_UNIT_DROP": None, "N": 3})
     assert "NBACCEL_UNIT_DROP" not in env and env["N"] == "3"
@@ -269,6 +271,12 @@ def test_env_none_removes_a_variable_and_values_become_strings(monkeypatch):
     assert env["ACCELERATE_USE_CPU"] == "true"  # Accelerate's CPU ranks form a group too
     own = plan._worker_env(info, LaunchConfig(), {"ACCELERATE_USE_CPU": "false"})
     assert own["ACCELERATE_USE_CPU"] == "false"  # the user's own setting wins
+    assert "ACCELERATE_MIXED_PRECISION" not in env
+    # notebook_launcher(mixed_precision="bf16"): a Trainer or accelerate.Accelerator() in the
+    # rank trains in bf16, as under Accelerate's launcher (it ran fp32 before, silently)
+    bf16 = plan._worker_env(types.SimpleNamespace(**{**vars(info), "mixed_precision": "bf16"}),
+                            LaunchConfig(), {})  # fmt: skip
+    assert bf16["ACCELERATE_MIXED_PRECISION"] == "bf16"
 
 
 def test_nbaccel_launch_hands_its_precision_to_accelerate(monkeypatch):

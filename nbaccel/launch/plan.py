@@ -393,7 +393,7 @@ def _worker_env(
         else:
             env[key] = str(value)
     one_machine = info.world_size == info.num_processes
-    for key, value in third_party_env(info.device).items():
+    for key, value in third_party_env(info.device, info.mixed_precision).items():
         env.setdefault(key, value)  # the user's own setting (env= or the kernel's) wins
     env.update(
         rendezvous.launcher_environment(cfg.worker_env(), "notebook", info.master_addr, one_machine)
