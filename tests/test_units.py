@@ -15,7 +15,7 @@ from nbaccel.core import capabilities, hardware
 from nbaccel.core.config import ConfigError, ConfigTypeError, LaunchConfig
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.hardware import GPU
-from nbaccel.launch import plan
+from nbaccel.launch import plan, root_cause
 from nbaccel.launch.lines import LINE_LIMIT, LineSplitter
 from nbaccel.rank import exit as rank_exit
 
@@ -128,6 +128,34 @@ def test_plumbing_frames_are_dropped_from_the_top():
     assert "test_plumbing_frames_are_dropped_from_the_top" in full
     # Every frame here is in this file: trimmed to the exception line itself.
     assert "test_plumbing_frames" not in trimmed and "KeyError: 'k'" in trimmed
+
+
+def test_a_cluster_ranks_stack_ends_at_the_users_code_and_nbaccels_rank_entry():
+    """A Ray rank runs as ``python -m nbaccel.cluster.remote_entry``: its stack at a timeout
+    (faulthandler's, most recent call first) keeps what a local rank's keeps, not the entry's
+    or runpy's frames below it."""
+    site = "/venv/lib/python3.11/site-packages/nbaccel"
+    dump = "\n".join(
+        [
+            "Current thread 0x00007f (most recent call first):",
+            '  File "/home/me/train.py", line 9 in train',
+            f'  File "{site}/rank/entry.py", line 120 in run_rank',
+            f'  File "{site}/cluster/remote_entry.py", line 57 in main',
+            f'  File "{site}/cluster/remote_entry.py", line 61 in <module>',
+            '  File "<frozen runpy>", line 88 in _run_code',
+            '  File "<frozen runpy>", line 198 in _run_module_as_main',
+        ]
+    )
+    local = dump.replace(
+        f'  File "{site}/cluster/remote_entry.py", line 57 in main',
+        ('  File "/usr/lib/python3.11/multiprocessing/process.py", line 314 in _bootstrap'),
+    )
+    assert root_cause.without_plumbing(dump).splitlines() == [
+        "Current thread 0x00007f (most recent call first):",
+        '  File "/home/me/train.py", line 9 in train',
+        f'  File "{site}/rank/entry.py", line 120 in run_rank',
+    ]
+    assert root_cause.without_plumbing(dump) == root_cause.without_plumbing(local)
 
 
 # -- failure attribution under nbaccel launch ----------------------------------------------
