@@ -158,6 +158,26 @@ def test_a_cluster_ranks_stack_ends_at_the_users_code_and_nbaccels_rank_entry():
     assert root_cause.without_plumbing(dump) == root_cause.without_plumbing(local)
 
 
+def test_a_ctrl_c_in_a_nested_deferral_is_raised_once_after_the_outer_block():
+    """A teardown step (``RankLifecycle.end``) inside a launch's teardown: a Ctrl-C during the
+    step must not cut the rest of the outer block short; it is raised once, at its end."""
+    import os
+
+    from nbaccel.launch.containment import sigint_deferred
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt, match="launch interrupted"), sigint_deferred():
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append("inner")
+        steps.append("outer")
+    assert steps == ["inner", "outer"]
+    # An outer block that drops it: nothing is raised.
+    with sigint_deferred(reraise=False), sigint_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # -- failure attribution under nbaccel launch ----------------------------------------------
 
 
