@@ -38,8 +38,8 @@ class LiveRanks:
 
     >>> live = LiveRanks()
     >>> live.add(41, server=7); live.add(42, server=None)
-    >>> sorted(live.pids()), live.from_server(7)
-    ([41, 42], {41})
+    >>> sorted(live.pids()), live.from_server(7), live.server_of(41)
+    ([41, 42], {41}, 7)
     >>> live.discard({41}); live.from_server(7)
     set()
     """
@@ -60,6 +60,12 @@ class LiveRanks:
     def pids(self) -> set[int]:
         with self._lock:
             return set(self._server_of)
+
+    def server_of(self, pid: int) -> int | None:
+        """The fork server the live rank ``pid`` was forked from (``None``: unknown, or
+        another start method)."""
+        with self._lock:
+            return self._server_of.get(pid)
 
     def from_server(self, server: int) -> set[int]:
         with self._lock:

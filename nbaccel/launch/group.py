@@ -10,6 +10,7 @@ process group, and reaping also kills whatever the ranks left running wherever i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -20,7 +21,6 @@ from typing import Any
 import psutil
 
 from nbaccel.core import processes
-from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
@@ -173,21 +173,24 @@ class RankGroup(StopSequence):
             raise
 
     def _start_answered(self, ctx: Any, spec: RankSpec) -> None:
-        """Start one rank with Ctrl-C held back, stopping a fork server that does not answer."""
+        """Start one rank with Ctrl-C held back; a fork server that does not answer is set
+        aside (``forkserver.start_answered``), not left to trap the kernel."""
         with containment.sigint_deferred() as interrupted:
             if self.start_method != "forkserver":
                 self.ranks.append(self._start_one(ctx, spec))
                 return
-            with forkserver.AnswerWatchdog(interrupted) as watchdog:
-                try:
-                    self.ranks.append(self._start_one(ctx, spec))
-                except (OSError, EOFError):
-                    if watchdog.reason is None:
-                        raise
-            if watchdog.reason is not None:
-                if interrupted:
-                    raise KeyboardInterrupt(f"launch interrupted: {watchdog.reason}")
-                raise LaunchError(f"the launch could not start its ranks: {watchdog.reason}.")
+            start = functools.partial(self._start_one, ctx, spec)
+            self.ranks.append(forkserver.start_answered(start, interrupted, self._stop_late))
+
+    def _stop_late(self, r: RankProcess) -> None:
+        """A rank the fork server forked after its start was given up: it never ran for this
+        group. Kill it and what it started, reap it, and release it."""
+        pid = r.pid
+        containment.signal_group(pid, signal.SIGKILL)
+        self.send_signal([r], signal.SIGKILL)
+        r.reap()
+        r.close_pipes()
+        self.server.reaped({pid})
 
     def _start_one(self, ctx: Any, spec: RankSpec) -> RankProcess:
         pipes = [ctx.Pipe(duplex=False) for _ in range(4)]

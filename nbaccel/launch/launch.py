@@ -67,12 +67,18 @@ class RunJob:
             rank.move(Status.STOPPED)
         else:
             what = describe_exit(code) if code != 0 else "exited without reporting a result"
-            if code == 255 and self.group.start_method == "forkserver" and server_gone():
+            if code == 255 and self._server_gone(r):
                 # multiprocessing's stand-in status: the server that reports it is gone
                 what = "ended when its fork server died (its own exit status is unknown)"
             crash = root_cause.without_plumbing(rank.diag.strip())
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
+
+    def _server_gone(self, r: RankProcess) -> bool:
+        """Whether the fork server ``r`` was forked from (current or retired) has died."""
+        if self.group.start_method != "forkserver":
+            return False
+        return server_gone(self.group.server.live.server_of(r.pid))
 
     def check(self) -> None:
         if self.relay.failures or self.stopping.is_set():
