@@ -139,7 +139,7 @@ class RankGroup(StopSequence):
         self.start_method = start_method
         self.server = server  # starts at its mirror one launch at a time; registers the ranks
         self.ranks: list[RankProcess] = []
-        self._stop_signal_sent: set[int] = set()
+        self._stop_signals: dict[int, set[int]] = {}  # rank -> stop signals sent while it ran
         self._kill_at: float | None = None  # set by begin_stop
         # (pid, command) of processes the ranks left running that reaping killed
         self.strays: list[tuple[int, str]] = []
@@ -215,9 +215,12 @@ class RankGroup(StopSequence):
     def alive(self) -> list[RankProcess]:
         return [r for r in self.ranks if r.exitcode() is None]
 
-    def was_stopped(self, rank: int) -> bool:
-        """Whether this group sent the rank a stop signal (so its death is not its own failure)."""
-        return rank in self._stop_signal_sent
+    def was_stopped(self, rank: int, exitcode: int | None = None) -> bool:
+        """Whether this group's stop ended the rank (so its death is not its own failure): it
+        was sent a stop signal while it ran, and did not die of a signal it was not sent (a
+        rank SIGKILLed by someone else while only SIGTERM had gone out failed first)."""
+        sent = self._stop_signals.get(rank)
+        return bool(sent) and (exitcode is None or exitcode >= 0 or -exitcode in sent)
 
     def send_signal(self, ranks: list[RankProcess], sig: int) -> None:
         """Send ``sig`` to these ranks only (not their children): e.g. a stack-dump request."""
@@ -231,12 +234,17 @@ class RankGroup(StopSequence):
 
     def _signal_trees(self, sig: int) -> None:
         alive = self.alive()
-        self._stop_signal_sent.update(r.rank for r in alive)
         for r in alive:
             try:
-                children = psutil.Process(r.pid).children(recursive=True)
+                process = psutil.Process(r.pid)
+                running = process.status() != psutil.STATUS_ZOMBIE
+                children = process.children(recursive=True)
             except psutil.Error:
-                children = []
+                running, children = False, []
+            # A rank already dead, whose exit the server has not reported yet, was not ended by
+            # this stop (rank 0 SIGKILLed while rank 1's "Connection reset" arrives first).
+            if running:
+                self._stop_signals.setdefault(r.rank, set()).add(sig)
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
             processes.signal_all(children, sig)

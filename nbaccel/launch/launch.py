@@ -63,7 +63,7 @@ class RunJob:
             error.exitcode = code
         elif code == 0 and r.rank in self.relay.payloads:
             rank.move(Status.FINISHED)
-        elif self.group.was_stopped(r.rank):
+        elif self.group.was_stopped(r.rank, code):
             rank.move(Status.STOPPED)
         else:
             what = describe_exit(code) if code != 0 else "exited without reporting a result"
