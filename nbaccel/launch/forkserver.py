@@ -11,6 +11,7 @@ rank finds the kernel's packages loaded, without ever sharing the kernel's proce
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import multiprocessing
 import os
 import sys
@@ -38,6 +39,7 @@ SERVER_PRELOAD = (
 )
 SERVER_LAST = ("nbaccel.rank.mirror", "nbaccel.rank.server_ready")
 ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
+T = TypeVar("T")  # what a rank start returns
 # How often a launch replaces a server that broke while mirroring before it does without.
 MIRROR_ATTEMPTS = 3
 
@@ -200,6 +202,19 @@ class ForkServer:
                 self.mirror.abandon(died=False)
                 self.mirror = None
 
+    def start_answered(
+        self, start: Callable[[], T], interrupted: list[bool], late: Callable[[T], None]
+    ) -> T:
+        """Run ``start`` (one rank start through this server) so that a server that does not
+        answer cannot trap the kernel; see :func:`_start_answered`.
+
+        Example::
+
+            with sigint_deferred() as interrupted:
+                rank = SERVER.start_answered(lambda: start_one(spec), interrupted, stop_late)
+        """
+        return _start_answered(self, start, interrupted, late)
+
     def _launch_preloads(self) -> tuple[str, ...]:
         return tuple(m for m in self.modules if m not in SERVER_PRELOAD + SERVER_LAST)
 
@@ -282,25 +297,22 @@ def _discard(path: str | None) -> None:
 ANSWER_DEADLINE = 30.0
 ANSWER_DEADLINE_AFTER_INTERRUPT = 2.0
 
-T = TypeVar("T")
 
-
-def start_answered(start: Callable[[], T], interrupted: list[bool], late: Callable[[T], None]) -> T:
+def _start_answered(
+    server: ForkServer, start: Callable[[], T], interrupted: list[bool], late: Callable[[T], None]
+) -> T:
     """Run ``start`` (one rank start through the fork server) in a thread of its own and
     return what it returns, so that the kernel is never stuck in a read from a server that
     does not answer.
 
     A start unanswered for :data:`ANSWER_DEADLINE` s (or 2 s after Ctrl-C, once ``interrupted``
-    holds something) is given up: the server is retired (:meth:`ForkServer.retire_unanswering`:
-    the next launch gets a fresh one, and the ranks of other launches or a ``%ranks`` session
-    keep theirs), and ``LaunchError`` (``KeyboardInterrupt`` after Ctrl-C) says so. Should the
-    server answer after all, ``late`` gets what the start made, to stop it: nothing else of
-    what runs is touched.
+    holds something) is given up: ``server`` retires its process
+    (:meth:`ForkServer.retire_unanswering`: the next launch gets a fresh one, and the ranks of
+    other launches or a ``%ranks`` session keep theirs), and ``LaunchError``
+    (``KeyboardInterrupt`` after Ctrl-C) says so. Should the server answer after all, ``late``
+    gets what the start made, to stop it: nothing else of what runs is touched.
 
-    Example::
-
-        with sigint_deferred() as interrupted:
-            rank = start_answered(lambda: start_one(spec), interrupted, stop_late)
+    Reached as :meth:`ForkServer.start_answered`.
     """
     lock, done = threading.Lock(), threading.Event()
     outcome: dict[str, Any] = {}
@@ -316,7 +328,10 @@ def start_answered(start: Callable[[], T], interrupted: list[bool], late: Callab
         if given_up and "value" in outcome:
             late(outcome["value"])
 
-    threading.Thread(target=run, name="nbaccel-rank-start", daemon=True).start()
+    context = contextvars.copy_context()  # its output, if any, is the launching cell's
+    thread = threading.Thread(target=context.run, args=(run,), name="nbaccel-rank-start")
+    thread.daemon = True
+    thread.start()
     began, interrupted_at = time.monotonic(), None
     while not done.wait(0.05):
         now = time.monotonic()
@@ -333,7 +348,7 @@ def start_answered(start: Callable[[], T], interrupted: list[bool], late: Callab
                 break
             outcome["given up"] = True
         pid = mp_internals.forkserver_pid()
-        serving = SERVER.retire_unanswering(pid) if pid is not None else 0
+        serving = server.retire_unanswering(pid) if pid is not None else 0
         reason = (
             f"the fork server (pid {pid}) did not answer a rank start within {waited}, so "
             + (

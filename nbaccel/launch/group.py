@@ -174,13 +174,13 @@ class RankGroup(StopSequence):
 
     def _start_answered(self, ctx: Any, spec: RankSpec) -> None:
         """Start one rank with Ctrl-C held back; a fork server that does not answer is set
-        aside (``forkserver.start_answered``), not left to trap the kernel."""
+        aside (``ForkServer.start_answered``), not left to trap the kernel."""
         with containment.sigint_deferred() as interrupted:
             if self.start_method != "forkserver":
                 self.ranks.append(self._start_one(ctx, spec))
                 return
             start = functools.partial(self._start_one, ctx, spec)
-            self.ranks.append(forkserver.start_answered(start, interrupted, self._stop_late))
+            self.ranks.append(self.server.start_answered(start, interrupted, self._stop_late))
 
     def _stop_late(self, r: RankProcess) -> None:
         """A rank the fork server forked after its start was given up: it never ran for this
