@@ -189,6 +189,28 @@ def leave_rank_zero_in_a_barrier():
     dist.barrier()  # rank 1 is gone: gloo says "Connection closed by peer"
 
 
+def die_while_the_peer_waits_in_a_barrier():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    dist.barrier()  # rank 0 is gone: gloo says "Connection reset (or closed) by peer"
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_connection_error_it_caused():
+    """Rank 1's error event often arrives before rank 0's exit status, and the stop it starts
+    reached rank 0 first: rank 0 used to read as stopped by nbaccel, its peer's reset as the
+    failure (2 of 3 launches here). Each launch is a fresh chance for that race."""
+    for _ in range(5):
+        with pytest.raises(RankFailedError) as info:
+            nbaccel.notebook_launcher(die_while_the_peer_waits_in_a_barrier, num_processes=2)
+        first = str(info.value).splitlines()[0]
+        assert first.startswith("rank 0 (of 2) was killed by signal SIGKILL"), str(info.value)
+        assert info.value.rank == 0 and info.value.exitcode == -signal.SIGKILL
+
+
 def test_a_rank_that_left_early_is_named_before_the_connection_error_it_caused():
     with pytest.raises(RankFailedError) as info:
         nbaccel.notebook_launcher(leave_rank_zero_in_a_barrier, num_processes=2)

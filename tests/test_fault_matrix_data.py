@@ -99,10 +99,9 @@ def run_killed_save(kernel, d: str, ckpt: str) -> None:
     launch(
         kernel,
         f"data_launch({d!r}, {ckpt!r}, 'kill', 2.0)",
-        # Rank 1, waiting in save_state's barrier, sees the reset; its report sometimes reaches
-        # the relay before rank 0's death does (a relay race, reported; not a data question).
-        r"rank 0 \(of 2\) was killed by signal SIGKILL"
-        r"|rank 1 \(of 2\) raised RuntimeError: .*Connection (reset|closed) by peer",
+        # Rank 1, waiting in save_state's barrier, sees the reset; its report often reaches the
+        # relay before rank 0's death does, and the death that came first is still named.
+        r"rank 0 \(of 2\) was killed by signal SIGKILL",
     )
     assert (Path(ckpt).parent / ".ckpt.partial").is_dir()  # until the next save
 

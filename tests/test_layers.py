@@ -7,6 +7,7 @@ fails here before it can load a kernel-side module inside a rank.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -166,13 +167,14 @@ def test_a_ranks_status_is_set_only_by_rank_state_move():
 MAKERS_OF_GROUPS = ("nbaccel.launch.xla", "nbaccel.cluster.ray_cluster")
 
 
-def test_a_launch_has_one_owner():
-    """``notebook_launcher`` runs a ``Launch``; nothing else in launch/ builds a RankGroup for
-    a launch's function (``%ranks`` sessions own theirs; XLA's ``make_group`` picks the kind,
-    a cluster's (``cluster.ray_cluster``) makes its own)."""
+def test_ranks_have_one_start_and_one_teardown():
+    """A launch's attempts and ``%ranks`` sessions start and tear down their ranks through
+    ``launch.lifecycle.RankLifecycle``: nothing else in nbaccel builds a rank group (XLA's
+    ``make_group`` picks the kind, a cluster's (``cluster.ray_cluster``) makes its own)."""
     owners = set()
     for module, path in _modules().items():
         text = path.read_text(encoding="utf-8")
-        if "make_group(" in text and module not in MAKERS_OF_GROUPS:
+        builds = "make_group(" in text or re.search(r"\bRankGroup\(", text)
+        if builds and module not in MAKERS_OF_GROUPS and module != "nbaccel.launch.group":
             owners.add(module)
-    assert owners == {"nbaccel.launch.launch"}, owners
+    assert owners == {"nbaccel.launch.lifecycle"}, owners

@@ -16,7 +16,7 @@ from nbaccel.core import capabilities, hardware
 from nbaccel.core.config import ConfigError, ConfigTypeError, LaunchConfig
 from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.hardware import GPU
-from nbaccel.launch import plan
+from nbaccel.launch import plan, root_cause
 from nbaccel.launch.lines import LINE_LIMIT, LineSplitter
 from nbaccel.rank import exit as rank_exit
 
@@ -129,6 +129,54 @@ def test_plumbing_frames_are_dropped_from_the_top():
     assert "test_plumbing_frames_are_dropped_from_the_top" in full
     # Every frame here is in this file: trimmed to the exception line itself.
     assert "test_plumbing_frames" not in trimmed and "KeyError: 'k'" in trimmed
+
+
+def test_a_cluster_ranks_stack_ends_at_the_users_code_and_nbaccels_rank_entry():
+    """A Ray rank runs as ``python -m nbaccel.cluster.remote_entry``: its stack at a timeout
+    (faulthandler's, most recent call first) keeps what a local rank's keeps, not the entry's
+    or runpy's frames below it."""
+    site = "/venv/lib/python3.11/site-packages/nbaccel"
+    dump = "\n".join(
+        [
+            "Current thread 0x00007f (most recent call first):",
+            '  File "/home/me/train.py", line 9 in train',
+            f'  File "{site}/rank/entry.py", line 120 in run_rank',
+            f'  File "{site}/cluster/remote_entry.py", line 57 in main',
+            f'  File "{site}/cluster/remote_entry.py", line 61 in <module>',
+            '  File "<frozen runpy>", line 88 in _run_code',
+            '  File "<frozen runpy>", line 198 in _run_module_as_main',
+        ]
+    )
+    local = dump.replace(
+        f'  File "{site}/cluster/remote_entry.py", line 57 in main',
+        ('  File "/usr/lib/python3.11/multiprocessing/process.py", line 314 in _bootstrap'),
+    )
+    assert root_cause.without_plumbing(dump).splitlines() == [
+        "Current thread 0x00007f (most recent call first):",
+        '  File "/home/me/train.py", line 9 in train',
+        f'  File "{site}/rank/entry.py", line 120 in run_rank',
+    ]
+    assert root_cause.without_plumbing(dump) == root_cause.without_plumbing(local)
+
+
+def test_a_ctrl_c_in_a_nested_deferral_is_raised_once_after_the_outer_block():
+    """A teardown step (``RankLifecycle.end``) inside a launch's teardown: a Ctrl-C during the
+    step must not cut the rest of the outer block short; it is raised once, at its end."""
+    import os
+
+    from nbaccel.launch.containment import sigint_deferred
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt, match="launch interrupted"), sigint_deferred():
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append("inner")
+        steps.append("outer")
+    assert steps == ["inner", "outer"]
+    # An outer block that drops it: nothing is raised.
+    with sigint_deferred(reraise=False), sigint_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # -- failure attribution under nbaccel launch ----------------------------------------------

@@ -206,8 +206,8 @@ class RayRankGroup(StopSequence):
     def alive(self) -> list[RemoteRank]:
         return [r for r in self.ranks if not r.has_exited()]
 
-    def was_stopped(self, rank: int) -> bool:
-        return rank in self._stop_signal_sent
+    def was_stopped(self, rank: int, exitcode: int | None = None) -> bool:
+        return rank in self._stop_signal_sent  # which signal ended a remote rank is unknown
 
     def send_signal(self, ranks: list[RemoteRank], sig: int) -> None:
         for r in ranks:

@@ -1,7 +1,7 @@
 """The one place that touches CPython's private ``multiprocessing`` state (fork server, tracker).
 
 The standard library offers no public way to ask for the fork server's pid (containment sweeps
-by it, the answer watchdog stops it), restart it with other preloaded modules, or make a forked
+by it, an unanswered start sets it aside), restart it with other preloaded modules, or make a forked
 child forget the server it came from. Both sides need some of that; keeping it here means a
 CPython change breaks one small file. The private names used: ``forkserver._forkserver`` and
 its ``_forkserver_pid``, ``_forkserver_alive_fd``, ``_forkserver_address``, ``_lock``,

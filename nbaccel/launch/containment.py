@@ -38,8 +38,8 @@ class LiveRanks:
 
     >>> live = LiveRanks()
     >>> live.add(41, server=7); live.add(42, server=None)
-    >>> sorted(live.pids()), live.from_server(7)
-    ([41, 42], {41})
+    >>> sorted(live.pids()), live.from_server(7), live.server_of(41)
+    ([41, 42], {41}, 7)
     >>> live.discard({41}); live.from_server(7)
     set()
     """
@@ -60,6 +60,12 @@ class LiveRanks:
     def pids(self) -> set[int]:
         with self._lock:
             return set(self._server_of)
+
+    def server_of(self, pid: int) -> int | None:
+        """The fork server the live rank ``pid`` was forked from (``None``: unknown, or
+        another start method)."""
+        with self._lock:
+            return self._server_of.get(pid)
 
     def from_server(self, server: int) -> set[int]:
         with self._lock:
@@ -157,6 +163,8 @@ class sigint_deferred:  # noqa: N801 - used like a function: ``with sigint_defer
     Starting a rank must not be cut in half (a rank the fork server forked but whose pid the
     kernel never learned would run unsupervised), nor must stopping one. ``as`` gives a list
     that is non-empty once Ctrl-C was pressed. Outside the main thread there is no SIGINT.
+    Inside another one (a teardown step within a launch's teardown), a Ctrl-C is handed to the
+    outer block, which decides: it is raised once, after all of it.
 
     Example::
 
@@ -171,15 +179,21 @@ class sigint_deferred:  # noqa: N801 - used like a function: ``with sigint_defer
 
     def __enter__(self) -> list[bool]:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, lambda *a: self.received.append(True))
+            self._previous = signal.signal(signal.SIGINT, self._pressed)
         return self.received
+
+    def _pressed(self, *_: object) -> None:
+        self.received.append(True)
 
     def __exit__(self, kind: type | None, *rest: object) -> None:
         __tracebackhide__ = True  # noqa: F841 - IPython leaves this frame out
+        outer = getattr(self._previous, "__self__", None)
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
-        if self.received and self.reraise and kind is None:
+        if isinstance(outer, sigint_deferred) and self.received and self.reraise:
+            outer.received.extend(self.received)  # the outer block raises it, after its end
+        elif self.received and self.reraise and kind is None:
             raise KeyboardInterrupt("launch interrupted") from None
 
 

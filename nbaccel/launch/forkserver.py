@@ -11,17 +11,18 @@ rank finds the kernel's packages loaded, without ever sharing the kernel's proce
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import multiprocessing
 import os
-import signal
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from nbaccel.core import mp_internals
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, mirror
 from nbaccel.ui import in_kernel
@@ -38,6 +39,7 @@ SERVER_PRELOAD = (
 )
 SERVER_LAST = ("nbaccel.rank.mirror", "nbaccel.rank.server_ready")
 ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
+T = TypeVar("T")  # what a rank start returns
 # How often a launch replaces a server that broke while mirroring before it does without.
 MIRROR_ATTEMPTS = 3
 
@@ -175,13 +177,43 @@ class ForkServer:
         pid = mp_internals.forkserver_pid()
         if pid is None or not mp_internals.server_alive(pid) or not self.live.from_server(pid):
             return
+        self._retire(pid)
+
+    def retire_unanswering(self, pid: int) -> int:
+        """The server ``pid`` did not answer a rank start: set it aside (the next start gets
+        a fresh one) and stop it now, unless ranks forked from it live: it serves them until
+        the last is reaped. Returns how many there are."""
+        self._retire(pid)
+        serving = len(self.live.from_server(pid))
+        if not serving:
+            with self._lock:
+                if pid in self._retired:  # a hung server does not exit by itself: SIGKILL
+                    mp_internals.end_detached(self._retired.pop(pid), wait=0.0)
+        return serving
+
+    def _retire(self, pid: int) -> None:
         with self._lock:
+            if mp_internals.forkserver_pid() != pid:
+                return  # already set aside (or replaced)
             detached = mp_internals.detach_forkserver()
             if detached is not None:
                 self._retired[detached[0]] = detached
             if self.mirror is not None:  # the retired server mirrors no more
                 self.mirror.abandon(died=False)
                 self.mirror = None
+
+    def start_answered(
+        self, start: Callable[[], T], interrupted: list[bool], late: Callable[[T], None]
+    ) -> T:
+        """Run ``start`` (one rank start through this server) so that a server that does not
+        answer cannot trap the kernel; see :func:`_start_answered`.
+
+        Example::
+
+            with sigint_deferred() as interrupted:
+                rank = SERVER.start_answered(lambda: start_one(spec), interrupted, stop_late)
+        """
+        return _start_answered(self, start, interrupted, late)
 
     def _launch_preloads(self) -> tuple[str, ...]:
         return tuple(m for m in self.modules if m not in SERVER_PRELOAD + SERVER_LAST)
@@ -266,54 +298,70 @@ ANSWER_DEADLINE = 30.0
 ANSWER_DEADLINE_AFTER_INTERRUPT = 2.0
 
 
-class AnswerWatchdog:
-    """Stop the fork server when it does not answer the rank start in the block in time, so
-    the kernel is never stuck in a read from a hung server; ``reason`` then says what happened.
+def _start_answered(
+    server: ForkServer, start: Callable[[], T], interrupted: list[bool], late: Callable[[T], None]
+) -> T:
+    """Run ``start`` (one rank start through the fork server) in a thread of its own and
+    return what it returns, so that the kernel is never stuck in a read from a server that
+    does not answer.
 
-    Example::
+    A start unanswered for :data:`ANSWER_DEADLINE` s (or 2 s after Ctrl-C, once ``interrupted``
+    holds something) is given up: ``server`` retires its process
+    (:meth:`ForkServer.retire_unanswering`: the next launch gets a fresh one, and the ranks of
+    other launches or a ``%ranks`` session keep theirs), and ``LaunchError``
+    (``KeyboardInterrupt`` after Ctrl-C) says so. Should the server answer after all, ``late``
+    gets what the start made, to stop it: nothing else of what runs is touched.
 
-        with sigint_deferred() as interrupted, AnswerWatchdog(interrupted) as watchdog:
-            process.start()            # returns, or fails once the server was stopped
+    Reached as :meth:`ForkServer.start_answered`.
     """
+    lock, done = threading.Lock(), threading.Event()
+    outcome: dict[str, Any] = {}
 
-    def __init__(self, interrupted: list[bool], deadline: float = ANSWER_DEADLINE) -> None:
-        self.interrupted, self.deadline = interrupted, deadline
-        self.reason: str | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="nbaccel-server-watchdog")
+    def run() -> None:
+        try:
+            outcome["value"] = start()
+        except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+            outcome["error"] = exc
+        with lock:
+            done.set()
+            given_up = "given up" in outcome
+        if given_up and "value" in outcome:
+            late(outcome["value"])
 
-    def __enter__(self) -> AnswerWatchdog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
-        started, interrupted_at = time.monotonic(), None
-        while not self._done.wait(0.05):
-            now = time.monotonic()
-            if self.interrupted and interrupted_at is None:
-                interrupted_at = now
-            if (
-                interrupted_at is not None
-                and now - interrupted_at > ANSWER_DEADLINE_AFTER_INTERRUPT
-            ):
-                waited = f"{ANSWER_DEADLINE_AFTER_INTERRUPT:g} s after Ctrl-C"
-            elif now - started > self.deadline:
-                waited = f"{self.deadline:g} s"
-            else:
-                continue
-            pid = mp_internals.forkserver_pid()
-            if pid is not None:
-                self.reason = (
-                    f"the fork server (pid {pid}) did not answer a rank start within {waited}, "
-                    "so it was stopped (with any %ranks session it had started); the next "
-                    "launch starts a fresh one"
-                )
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                return
+    context = contextvars.copy_context()  # its output, if any, is the launching cell's
+    thread = threading.Thread(target=context.run, args=(run,), name="nbaccel-rank-start")
+    thread.daemon = True
+    thread.start()
+    began, interrupted_at = time.monotonic(), None
+    while not done.wait(0.05):
+        now = time.monotonic()
+        if interrupted and interrupted_at is None:
+            interrupted_at = now
+        if interrupted_at is not None and now - interrupted_at > ANSWER_DEADLINE_AFTER_INTERRUPT:
+            waited = f"{ANSWER_DEADLINE_AFTER_INTERRUPT:g} s after Ctrl-C"
+        elif now - began > ANSWER_DEADLINE:
+            waited = f"{ANSWER_DEADLINE:g} s"
+        else:
+            continue
+        with lock:
+            if done.is_set():  # it answered just now
+                break
+            outcome["given up"] = True
+        pid = mp_internals.forkserver_pid()
+        serving = server.retire_unanswering(pid) if pid is not None else 0
+        reason = (
+            f"the fork server (pid {pid}) did not answer a rank start within {waited}, so "
+            + (
+                f"it was set aside: it goes on serving the {serving} ranks already running "
+                "from it (a background launch's or a %ranks session's) until they end"
+                if serving
+                else "it was stopped"
+            )
+            + "; the next launch starts a fresh one"
+        )
+        if interrupted:
+            raise KeyboardInterrupt(f"launch interrupted: {reason}")
+        raise LaunchError(f"the launch could not start its ranks: {reason}.")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

@@ -10,6 +10,7 @@ process group, and reaping also kills whatever the ranks left running wherever i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -20,7 +21,6 @@ from typing import Any
 import psutil
 
 from nbaccel.core import processes
-from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
@@ -139,7 +139,7 @@ class RankGroup(StopSequence):
         self.start_method = start_method
         self.server = server  # starts at its mirror one launch at a time; registers the ranks
         self.ranks: list[RankProcess] = []
-        self._stop_signal_sent: set[int] = set()
+        self._stop_signals: dict[int, set[int]] = {}  # rank -> stop signals sent while it ran
         self._kill_at: float | None = None  # set by begin_stop
         # (pid, command) of processes the ranks left running that reaping killed
         self.strays: list[tuple[int, str]] = []
@@ -173,21 +173,24 @@ class RankGroup(StopSequence):
             raise
 
     def _start_answered(self, ctx: Any, spec: RankSpec) -> None:
-        """Start one rank with Ctrl-C held back, stopping a fork server that does not answer."""
+        """Start one rank with Ctrl-C held back; a fork server that does not answer is set
+        aside (``ForkServer.start_answered``), not left to trap the kernel."""
         with containment.sigint_deferred() as interrupted:
             if self.start_method != "forkserver":
                 self.ranks.append(self._start_one(ctx, spec))
                 return
-            with forkserver.AnswerWatchdog(interrupted) as watchdog:
-                try:
-                    self.ranks.append(self._start_one(ctx, spec))
-                except (OSError, EOFError):
-                    if watchdog.reason is None:
-                        raise
-            if watchdog.reason is not None:
-                if interrupted:
-                    raise KeyboardInterrupt(f"launch interrupted: {watchdog.reason}")
-                raise LaunchError(f"the launch could not start its ranks: {watchdog.reason}.")
+            start = functools.partial(self._start_one, ctx, spec)
+            self.ranks.append(self.server.start_answered(start, interrupted, self._stop_late))
+
+    def _stop_late(self, r: RankProcess) -> None:
+        """A rank the fork server forked after its start was given up: it never ran for this
+        group. Kill it and what it started, reap it, and release it."""
+        pid = r.pid
+        containment.signal_group(pid, signal.SIGKILL)
+        self.send_signal([r], signal.SIGKILL)
+        r.reap()
+        r.close_pipes()
+        self.server.reaped({pid})
 
     def _start_one(self, ctx: Any, spec: RankSpec) -> RankProcess:
         pipes = [ctx.Pipe(duplex=False) for _ in range(4)]
@@ -212,9 +215,12 @@ class RankGroup(StopSequence):
     def alive(self) -> list[RankProcess]:
         return [r for r in self.ranks if r.exitcode() is None]
 
-    def was_stopped(self, rank: int) -> bool:
-        """Whether this group sent the rank a stop signal (so its death is not its own failure)."""
-        return rank in self._stop_signal_sent
+    def was_stopped(self, rank: int, exitcode: int | None = None) -> bool:
+        """Whether this group's stop ended the rank (so its death is not its own failure): it
+        was sent a stop signal while it ran, and did not die of a signal it was not sent (a
+        rank SIGKILLed by someone else while only SIGTERM had gone out failed first)."""
+        sent = self._stop_signals.get(rank)
+        return bool(sent) and (exitcode is None or exitcode >= 0 or -exitcode in sent)
 
     def send_signal(self, ranks: list[RankProcess], sig: int) -> None:
         """Send ``sig`` to these ranks only (not their children): e.g. a stack-dump request."""
@@ -228,12 +234,17 @@ class RankGroup(StopSequence):
 
     def _signal_trees(self, sig: int) -> None:
         alive = self.alive()
-        self._stop_signal_sent.update(r.rank for r in alive)
         for r in alive:
             try:
-                children = psutil.Process(r.pid).children(recursive=True)
+                process = psutil.Process(r.pid)
+                running = process.status() != psutil.STATUS_ZOMBIE
+                children = process.children(recursive=True)
             except psutil.Error:
-                children = []
+                running, children = False, []
+            # A rank already dead, whose exit the server has not reported yet, was not ended by
+            # this stop (rank 0 SIGKILLed while rank 1's "Connection reset" arrives first).
+            if running:
+                self._stop_signals.setdefault(r.rank, set()).add(sig)
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
             processes.signal_all(children, sig)

@@ -24,17 +24,17 @@ from typing import Any
 
 from nbaccel.core import shared_tensors
 from nbaccel.core.errors import (
-    LaunchError,
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
 )
 from nbaccel.core.failures import describe_exit
-from nbaccel.core.launch_state import LaunchState, Outcome, RankState
+from nbaccel.core.launch_state import LaunchState, Outcome
 from nbaccel.core.launch_state import RankStatus as Status
-from nbaccel.launch import forkserver, loop, root_cause, xla
+from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.group import STOP_GRACE, RankGroup, RankProcess
+from nbaccel.launch.group import STOP_GRACE, RankProcess
+from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload, server_gone
 from nbaccel.ui import View, choose_view
@@ -63,16 +63,22 @@ class RunJob:
             error.exitcode = code
         elif code == 0 and r.rank in self.relay.payloads:
             rank.move(Status.FINISHED)
-        elif self.group.was_stopped(r.rank):
+        elif self.group.was_stopped(r.rank, code):
             rank.move(Status.STOPPED)
         else:
             what = describe_exit(code) if code != 0 else "exited without reporting a result"
-            if code == 255 and self.group.start_method == "forkserver" and server_gone():
+            if code == 255 and self._server_gone(r):
                 # multiprocessing's stand-in status: the server that reports it is gone
                 what = "ended when its fork server died (its own exit status is unknown)"
             crash = root_cause.without_plumbing(rank.diag.strip())
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
+
+    def _server_gone(self, r: RankProcess) -> bool:
+        """Whether the fork server ``r`` was forked from (current or retired) has died."""
+        if self.group.start_method != "forkserver":
+            return False
+        return server_gone(self.group.server.live.server_of(r.pid))
 
     def check(self) -> None:
         if self.relay.failures or self.stopping.is_set():
@@ -189,63 +195,37 @@ class Launch:
     def _attempt(self) -> dict[int, bytes | None]:
         """Start the planned ranks and follow them to the end; return their payloads."""
         __tracebackhide__ = True
-        plan = self.plan
         view = self._view if self._view is not None else choose_view(self._progress)
-        state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
-        self.state = state
-        group = (
-            xla.make_group(plan.specs, plan.info.start_method, plan.xla_threads)
-            if plan.cluster is None
-            else plan.cluster.make_group(plan.specs)  # ranks on a cluster (nbaccel.cluster)
-        )
-        # The view first: the fork server may still be importing torch (the first launch after
-        # the import cell), and a cell must not stay blank meanwhile.
-        view.start(state)
+        life = RankLifecycle(self.plan, view)
+        self.state = life.state
         try:
-            if plan.info.start_method == "forkserver":
-                _refuse_restart_under(plan.preload)
-                forkserver.SERVER.ensure(plan.preload)
-            group.start()  # stops what it started on any failure
-        except BaseException as exc:
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            state.outcome = Outcome.INTERRUPTED if interrupted else Outcome.FAILED
-            state.ended_at = time.monotonic()
-            view.finish()
-            if interrupted:  # its message says what was stopped
-                raise exc.with_traceback(None)  # noqa: B904 - nbaccel's frames are noise here
-            raise
-        # The ranks' clocks start with the ranks: a wait for the fork server (its imports) is
-        # no stall, and a stack request then would kill ranks that have no handler for it yet.
-        started = time.monotonic()
-        for rank_state in state.ranks.values():
-            rank_state.started_at = started
+            relay = life.start()
+        except KeyboardInterrupt as exc:  # its message says what was stopped
+            raise exc.with_traceback(None)  # noqa: B904 - nbaccel's frames are noise here
         try:
-            return self._follow(Relay(group, state, view))
+            return self._follow(life, relay)
         except KeyboardInterrupt:
             # Every rank is stopped and reaped by now; the loop's frames would only be noise.
-            n = len(plan.specs)
+            n = len(self.plan.specs)
             raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
 
-    def _follow(self, relay: Relay) -> dict[int, bytes | None]:
-        """The loop with a :class:`RunJob`; then stop, reap and sweep, whatever happened."""
-        group, state = relay.group, relay.state
+    def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
+        """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
+        state, failing = relay.state, False
         try:
-            relay.register()
             loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping))
             state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
         except BaseException:
-            state.outcome = state.outcome or Outcome.INTERRUPTED
-            with sigint_deferred(reraise=False):  # a second Ctrl-C must not cut cleanup short
-                group.stop(grace=STOP_GRACE)
-                relay.drain_all()
+            state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True
             raise
         finally:
-            with sigint_deferred():  # teardown is not cut short; a Ctrl-C is raised after it
-                _reap(group)
+            # Teardown is not cut short by Ctrl-C; one then is raised after it, unless the
+            # launch is already raising (that error is the one to report).
+            with sigint_deferred(reraise=not failing):
+                life.end(grace=STOP_GRACE if failing else 0.0)
                 failure = relay.first_failure() if relay.failures else None  # before the summary
                 if failure is None and self._stopping.is_set():
                     state.outcome = Outcome.INTERRUPTED
-                relay.close()
                 relay.warn_leftovers()
                 relay.view.finish()  # after the cleanup: a view's error is a bug to see
         if failure is not None and not self._stopping.is_set():
@@ -321,23 +301,3 @@ class Launch:
         ranks = ", ".join(f"rank {r} {s}" for r, s in self.ranks.items())
         elapsed = f", {self.state.elapsed:.1f} s" if self.state is not None else ""
         return f"<nbaccel.Launch {self.status}: {ranks}{elapsed}>"
-
-
-def _refuse_restart_under(preload: tuple[str, ...]) -> None:
-    """A fork server restarted for ``preload`` would stop every rank forked from it: refuse
-    while another launch (in the background) or a ``%ranks`` session has ranks running."""
-    live = forkserver.SERVER.live.pids()
-    if live and forkserver.SERVER.lacks(preload):
-        pids = ", ".join(map(str, sorted(live)))
-        raise LaunchError(
-            f"preload={list(preload)!r} needs a fresh fork server, which would stop the ranks "
-            f"already running from this one (pids {pids}: a background launch or a %ranks "
-            "session). Wait for them (launch.result()) or stop them (launch.stop(), `%ranks "
-            "stop`) first, or launch without preload=."
-        )
-
-
-def _reap(group: RankGroup) -> None:
-    if group.alive():
-        group.stop(grace=0)
-    group.reap()

@@ -266,13 +266,13 @@ def _caller() -> int:
     return level
 
 
-def server_gone(wait: float = 1.0) -> bool:
-    """Whether the fork server this process started has died (its sockets close before it is
-    a zombie, so its rank's end can arrive first: give it ``wait`` seconds)."""
-    pid = mp_internals.forkserver_pid()
+def server_gone(server: int | None, wait: float = 1.0) -> bool:
+    """Whether the fork server ``server`` (a rank's own: the current one or one retired while
+    its ranks ran) has died; its sockets close before it is a zombie, so its rank's end can
+    arrive first: give it ``wait`` seconds."""
     deadline = time.monotonic() + wait
-    while pid is not None and mp_internals.server_alive(pid):
+    while server is not None and mp_internals.server_alive(server):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
-    return pid is not None
+    return server is not None

@@ -43,8 +43,9 @@ def cut(text: str, width: int = ERROR_LINE_WIDTH) -> str:
 def without_plumbing(crash_report: str) -> str:
     """A rank's crash report (faulthandler's stacks) without the frames every rank has below
     the user's code: multiprocessing's, and everything older than the process's start
-    (``BaseProcess._bootstrap``): the fork server's loop and, where the server is a fork of the
-    kernel, the kernel's own frames it was forked in.
+    (``BaseProcess._bootstrap``, or a cluster rank's ``nbaccel.cluster.remote_entry``): the fork
+    server's loop and, where the server is a fork of the kernel, the kernel's own frames it was
+    forked in; on a cluster node, ``python -m``'s.
 
     >>> report = ['  File "/x.py", line 3 in train', '  File "/py/multiprocessing/process.py"',
     ...           '  File "/py/multiprocessing/process.py", line 314 in _bootstrap',
@@ -57,7 +58,11 @@ def without_plumbing(crash_report: str) -> str:
         frame = line.strip().startswith("File ")
         if not frame:
             started = False  # the next thread's stack begins
-        elif started or (_PROCESS_START in line and line.rstrip().endswith(" in _bootstrap")):
+        elif (
+            started
+            or _CLUSTER_START in line
+            or (_PROCESS_START in line and line.rstrip().endswith(" in _bootstrap"))
+        ):
             started = True
             continue
         elif "/multiprocessing/" in line or line.strip().startswith('File "<string>"'):
@@ -67,6 +72,7 @@ def without_plumbing(crash_report: str) -> str:
 
 
 _PROCESS_START = "/multiprocessing/process.py"
+_CLUSTER_START = "/nbaccel/cluster/remote_entry.py"  # a cluster rank's process: python -m it
 
 
 def order(failures: list[tuple[int, object]]) -> list[tuple[int, object]]:

@@ -31,11 +31,11 @@ from typing import Any
 
 from nbaccel.core import pickling
 from nbaccel.core.errors import RankFailedError
-from nbaccel.core.launch_state import LaunchState, Outcome, RankState
+from nbaccel.core.launch_state import Outcome
 from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.forkserver import SERVER
-from nbaccel.launch.group import STOP_GRACE, RankGroup
+from nbaccel.launch.group import STOP_GRACE
+from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.plan import UNSET, LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.session_cell import (
@@ -93,7 +93,7 @@ class Ranks:
         self.running: tuple[str, float] | None = None  # (first line of the cell, started at)
         self.broken: str | None = None
         self._plan: LaunchPlan | None = None
-        self._group: RankGroup | None = None
+        self._life: RankLifecycle | None = None  # the ranks' start and teardown
         self._relay: Relay | None = None
         self._connections: dict[int, Connection] = {}
         self._devices: dict[int, tuple[str, int | None]] = {}
@@ -106,7 +106,7 @@ class Ranks:
 
     @property
     def started(self) -> bool:
-        return self._group is not None
+        return self._relay is not None
 
     @property
     def names(self) -> dict[str, str]:
@@ -122,7 +122,7 @@ class Ranks:
 
     @property
     def pids(self) -> list[int]:
-        return [r.pid for r in self._group.ranks] if self._group else []
+        return [r.pid for r in self._relay.group.ranks] if self._relay else []
 
     def start(self) -> Ranks:
         """Start the ranks and form the process group; returns once every rank is ready."""
@@ -140,16 +140,11 @@ class Ranks:
             server.bind(address)
             server.listen()
             self._plan = session_plan(self.options, address)
-            if self._plan.info.start_method == "forkserver":
-                SERVER.ensure()
-            self._group = RankGroup(self._plan.specs, self._plan.info.start_method)
+            # One process per rank, each serving its own command socket (the cell view
+            # replaces this text view from the first cell on).
+            self._life = RankLifecycle(self._plan, CellTextView(), xla_threads=False)
             with BusyBeacon():  # it may wait for a warming fork server
-                self._group.start()
-            state = LaunchState(  # its clocks start with the ranks (as in Launch._attempt)
-                self._plan.info, {s.rank: RankState(s.rank) for s in self._plan.specs}
-            )
-            self._relay = Relay(self._group, state, CellTextView())
-            self._relay.register()
+                self._relay = self._life.start()
             self._connections = accept_ranks(server, self._relay)
             self._set_up()
         except KeyboardInterrupt:
@@ -203,25 +198,14 @@ class Ranks:
             self._tear_down(grace)
 
     def _tear_down(self, grace: float) -> None:
-        group, relay = self._group, self._relay
-        if group is not None:
-            if not group.wait(grace):
-                group.stop(grace=min(grace, 1.0))
-            group.reap()
-        if relay is not None:
-            for r in group.ranks if group else []:
-                with contextlib.suppress(OSError, ValueError):  # pipes closed by a dead rank
-                    relay.drain(r)
-            relay.selector.close()
+        if self._life is not None:  # the ranks had ``grace`` s to leave their command loops
+            self._life.end(wait=grace, grace=min(grace, 1.0))
         for conn in self._connections.values():
             with contextlib.suppress(OSError):
                 conn.close()
-        for r in group.ranks if group else []:
-            with contextlib.suppress(OSError):
-                r.close_pipes()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
-        self._group, self._relay, self._connections, self._tmpdir = None, None, {}, None
+        self._life, self._relay, self._connections, self._tmpdir = None, None, {}, None
 
     def __enter__(self) -> Ranks:
         if not self.started:
@@ -233,7 +217,7 @@ class Ranks:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            if self._group is not None:
+            if self._life is not None:
                 self._shutdown(grace=0)
 
     # -- commands ---------------------------------------------------------------------------

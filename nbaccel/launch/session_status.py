@@ -28,7 +28,7 @@ def rank_rows(ranks: Any) -> list[dict[str, str]]:
         ]
     rows = []
     running = ranks.running
-    for r in ranks._group.ranks:
+    for r in ranks._relay.group.ranks:
         try:
             rss = psutil.Process(r.pid).memory_info().rss
         except psutil.Error:

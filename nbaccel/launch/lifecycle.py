@@ -1,0 +1,110 @@
+"""How a plan's ranks start and how they are torn down, in one place: for each attempt of a
+launch (``launch.launch``) and for a ``%ranks`` session (``launch.session``) alike.
+
+The start: the view first (a cell must not stay blank while the fork server still imports
+torch), the fork server (refusing a restart that would stop other launches' ranks), the group's
+ranks, their clocks (a wait for the server is no stall), and the relay watching their pipes.
+The teardown: what still runs is stopped (after a wait for the ranks to leave by themselves, if
+asked: SIGTERM, SIGKILL after a grace), every rank is reaped and what the ranks left running is
+swept (``launch.containment``), their last output read and their pipes closed, with Ctrl-C held
+back until it is done. What the ranks do in between is a job's (``launch.loop``).
+
+Example::
+
+    life = RankLifecycle(plan, view)
+    relay = life.start()          # every rank started, or nothing left of the start
+    loop.follow(relay, job)
+    life.end()                    # stopped, reaped, swept, pipes closed
+"""
+
+from __future__ import annotations
+
+import time
+
+from nbaccel.core.errors import LaunchError
+from nbaccel.core.launch_state import LaunchState, Outcome, RankState
+from nbaccel.launch import forkserver, xla
+from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.relay import Relay
+from nbaccel.ui import View
+
+
+class RankLifecycle:
+    """The ranks of ``plan`` from their start (:meth:`start`) to their teardown (:meth:`end`),
+    with their ``state`` (what the views show), ``group`` and, once started, ``relay``.
+
+    ``xla_threads`` overrides the plan's choice of XLA device threads in one host process
+    (a ``%ranks`` session runs one process per rank, each serving its own command socket).
+    """
+
+    def __init__(self, plan: LaunchPlan, view: View, *, xla_threads: bool | None = None) -> None:
+        self.plan, self.view = plan, view
+        self.state = LaunchState(plan.info, {s.rank: RankState(s.rank) for s in plan.specs})
+        threads = plan.xla_threads if xla_threads is None else xla_threads
+        self.group = (
+            xla.make_group(plan.specs, plan.info.start_method, threads)
+            if plan.cluster is None
+            else plan.cluster.make_group(plan.specs)  # ranks on a cluster (nbaccel.cluster)
+        )
+        self.relay: Relay | None = None
+        self._ended = False
+
+    def start(self) -> Relay:
+        """Start every rank and return the relay reading them. On any failure, Ctrl-C
+        included, nothing of the start is left (:meth:`end`), the view ends with the outcome,
+        and the error is raised."""
+        __tracebackhide__ = True
+        state, view = self.state, self.view
+        view.start(state)
+        try:
+            if self.plan.info.start_method == "forkserver":
+                refuse_restart_under(self.plan.preload)
+                forkserver.SERVER.ensure(self.plan.preload)
+            self.group.start()  # stops what it started on any failure
+            # The ranks' clocks start with the ranks: a wait for the fork server (its imports)
+            # is no stall, and a stack request then would kill ranks without a handler yet.
+            started = time.monotonic()
+            for rank_state in state.ranks.values():
+                rank_state.started_at = started
+            self.relay = Relay(self.group, state, view)
+            self.relay.register()
+        except BaseException as exc:
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            state.outcome = Outcome.INTERRUPTED if interrupted else Outcome.FAILED
+            self.end()
+            state.ended_at = time.monotonic()
+            view.finish()
+            raise
+        return self.relay
+
+    def end(self, wait: float = 0.0, grace: float = 0.0) -> None:
+        """Tear the ranks down: give them ``wait`` seconds to exit by themselves, then stop
+        what still runs (SIGTERM, SIGKILL after ``grace`` s); reap them all and sweep what
+        they left running; read what their pipes still hold (a rank that had not ended was
+        stopped) and close them. Idempotent; a Ctrl-C meanwhile is raised once it is done
+        (or handed to an enclosing ``sigint_deferred``)."""
+        if self._ended:
+            return
+        with sigint_deferred():
+            if not self.group.wait(wait):
+                self.group.stop(grace)
+            self.group.reap()
+            if self.relay is not None:
+                self.relay.drain_all()
+                self.relay.close()
+            self._ended = True
+
+
+def refuse_restart_under(preload: tuple[str, ...]) -> None:
+    """A fork server restarted for ``preload`` would stop every rank forked from it: refuse
+    while another launch (in the background) or a ``%ranks`` session has ranks running."""
+    live = forkserver.SERVER.live.pids()
+    if live and forkserver.SERVER.lacks(preload):
+        pids = ", ".join(map(str, sorted(live)))
+        raise LaunchError(
+            f"preload={list(preload)!r} needs a fresh fork server, which would stop the ranks "
+            f"already running from this one (pids {pids}: a background launch or a %ranks "
+            "session). Wait for them (launch.result()) or stop them (launch.stop(), `%ranks "
+            "stop`) first, or launch without preload=."
+        )
