@@ -71,7 +71,6 @@ def resolve_plan(
             f"function must be callable (the training function to run on every rank), "
             f"got {type(function).__name__}."
         )
-    _check_elastic_options(rdzv_backend, monitor_interval, line_prefix)
     preload = _check_preload(preload)
     cfg = _resolve_config(config, num_processes, mixed_precision, start_method, max_restarts)
     nprocs = _resolve_num_processes(cfg.num_processes)
@@ -79,6 +78,7 @@ def resolve_plan(
     check_int("num_nodes", num_nodes, 1)
     if node_rank >= num_nodes:
         raise ValueError(f"node_rank={node_rank} must be below num_nodes={num_nodes}.")
+    _check_elastic_options(rdzv_backend, num_nodes, monitor_interval, line_prefix)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     method = check_start_method(resolve_start_method(cfg.start_method))
@@ -191,14 +191,21 @@ def _check_preload(preload: Any) -> tuple[str, ...]:
     return names
 
 
-def _check_elastic_options(rdzv_backend: Any, monitor_interval: Any, line_prefix: Any) -> None:
-    """Accelerate's torch-elastic options, as far as a notebook launch has them."""
-    if rdzv_backend != "static":
+def _check_elastic_options(
+    rdzv_backend: Any, num_nodes: Any, monitor_interval: Any, line_prefix: Any
+) -> None:
+    """Accelerate's torch-elastic options, as far as a notebook launch has them. On one machine
+    ``c10d`` is accepted as Accelerate accepts it: a fixed set of local ranks meets the same way
+    either way, so the launch uses the static rendezvous."""
+    one_machine_c10d = rdzv_backend == "c10d" and num_nodes == 1
+    if rdzv_backend != "static" and not one_machine_c10d:
+        across = " across machines" if rdzv_backend == "c10d" else ""
         raise ValueError(
-            f"rdzv_backend={rdzv_backend!r}: notebook launches meet at master_addr:use_port "
-            "(a static rendezvous). For an elastic rendezvous across machines run the same "
-            f"function as a script: nbaccel launch --rdzv_backend {rdzv_backend} script.py "
-            "(nbaccel export writes the script)."
+            f"rdzv_backend={rdzv_backend!r}{across}: notebook launches meet at "
+            "master_addr:use_port (a static rendezvous; 'c10d' is accepted on one machine). "
+            "For an elastic rendezvous across machines run the same function as a script: "
+            f"nbaccel launch --rdzv_backend {rdzv_backend} script.py (nbaccel export writes "
+            "the script)."
         )
     if isinstance(monitor_interval, bool) or not isinstance(monitor_interval, (int, float)):
         raise TypeError(f"monitor_interval must be a number of seconds, got {monitor_interval!r}.")
