@@ -364,8 +364,11 @@ def _serialize(
         # (dozens of cloudpickle frames) would bury it in a notebook.
         raise TypeError(
             f"the function {name} cannot be sent to the ranks: {type(exc).__name__}: {exc}. "
-            "Something it refers to (a global, a closure variable) cannot be pickled; create "
-            "that object inside the function instead."
+            + (
+                _inherited_only(exc)
+                or "Something it refers to (a global, a closure variable) cannot be pickled; "
+                "create that object inside the function instead."
+            )
         ) from None
 
     def dump(value: Any, label: str) -> bytes:
@@ -376,13 +379,31 @@ def _serialize(
                 raise TypeError(f"{label} ({type(value).__name__}): {exc}") from None
             raise TypeError(
                 f"{label} ({type(value).__name__}) cannot be sent to the ranks: "
-                f"{type(exc).__name__}: {exc}. Pass something picklable (e.g. a path or the "
-                "parameters to build it) and create the object inside the function."
+                f"{type(exc).__name__}: {exc}. "
+                + (
+                    _inherited_only(exc)
+                    or "Pass something picklable (e.g. a path or the parameters to build it) "
+                    "and create the object inside the function."
+                )
             ) from None
 
     arg_bytes = [dump(a, f"args[{i}]") for i, a in enumerate(args)]
     kwarg_bytes = {k: dump(v, f"kwargs[{k!r}]") for k, v in kwargs.items()}
     return function_bytes, arg_bytes, kwarg_bytes, packer.seal()
+
+
+def _inherited_only(exc: Exception) -> str:
+    """What to use instead of a multiprocessing Queue, Event, Lock, Value or Array, which only
+    reach processes forked from this one ("" for other pickling errors): Accelerate's
+    notebook_launcher forks the ranks from the kernel, nbaccel's come from a fork server."""
+    if "should only be shared between processes through inheritance" not in str(exc):
+        return ""
+    return (
+        "nbaccel's ranks are started by a fork server, not forked from this process, so they "
+        "cannot inherit it. Make it with a manager, which every rank (and every restart) "
+        "reaches: `manager = multiprocessing.Manager()`, then `manager.Queue()` (or "
+        "`.Event()`, `.Lock()`, `.Value('i', 0)`, `.dict()`)."
+    )
 
 
 def _worker_env(
