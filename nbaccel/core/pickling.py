@@ -65,7 +65,9 @@ def _defined_as(obj: Any) -> tuple[str, str] | None:
         kind = next(
             (key for key in keys if key == _TRAINING_ARGUMENTS or key in _PROCESS_STATES), None
         )
-        _KIND_OF_TYPE[cls] = _NOT_SENDABLE if hasattr(cls, _NOT_SENDABLE[1]) else kind
+        # The classes' own dicts, not hasattr: a metaclass's __getattr__ may answer anything.
+        refuses = any(_NOT_SENDABLE[1] in vars(k) for k in cls.__mro__)
+        _KIND_OF_TYPE[cls] = _NOT_SENDABLE if refuses else kind
     return _KIND_OF_TYPE[cls]
 
 
