@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,13 +146,31 @@ def test_write_basic_config_writes_once(tmp_path):
 
 
 def test_elastic_options_a_notebook_cannot_honour_are_refused_before_any_rank_starts():
-    with pytest.raises(ValueError, match="nbaccel launch --rdzv_backend c10d"):
-        nbaccel.notebook_launcher(print, num_processes=2, rdzv_backend="c10d")
+    across = r"rdzv_backend='c10d' across machines: .* nbaccel launch --rdzv_backend c10d"
+    with pytest.raises(ValueError, match=across):
+        nbaccel.notebook_launcher(print, num_processes=2, num_nodes=2, rdzv_backend="c10d")
+    with pytest.raises(ValueError, match="nbaccel launch --rdzv_backend etcd"):
+        nbaccel.notebook_launcher(print, num_processes=2, rdzv_backend="etcd")
     with pytest.raises(ValueError, match="monitor_interval must be positive"):
         nbaccel.notebook_launcher(print, num_processes=2, monitor_interval=0)
 
 
 # -- in real ranks -------------------------------------------------------------------------------
+
+
+def ranks_that_met() -> int:
+    import torch.distributed as dist
+
+    nbaccel.PartialState()  # joins the launch's rendezvous
+    count = torch.ones(1)
+    dist.all_reduce(count)
+    return int(count.item())
+
+
+@pytest.mark.slow
+def test_c10d_on_one_machine_launches_as_accelerate_does():
+    # Accelerate's notebook_launcher(rdzv_backend="c10d") on one machine: the same local ranks.
+    assert nbaccel.notebook_launcher(ranks_that_met, num_processes=2, rdzv_backend="c10d") == 2
 
 
 def logs_three_ways():
@@ -209,6 +229,67 @@ def test_max_restarts_relaunches_every_rank_after_a_failure(tmp_path, capfd):
         marker.unlink()
     with pytest.raises(RankFailedError, match="transient failure"):
         nbaccel.notebook_launcher(fails_the_first_time, args=(str(tmp_path),), num_processes=2)
+
+
+def rank_0_fails():
+    if nbaccel.PartialState().process_index == 0:
+        raise ValueError("bad batch 7")
+
+
+@pytest.mark.slow
+def test_a_failed_rank_is_caught_as_torch_elastics_child_failed_error_too():
+    # Accelerate's launches fail with torch elastic's ChildFailedError; code written for that
+    # catches nbaccel's failure too, which keeps its own message: the rank's exception first.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with pytest.raises(ChildFailedError, match="bad batch 7") as info:
+        nbaccel.notebook_launcher(rank_0_fails, num_processes=2, progress=False)
+    error = info.value
+    assert isinstance(error, RankFailedError) and type(error).__name__ == "RankFailedError"
+    assert str(error).startswith("rank 0 (of 2) raised ValueError: bad batch 7")
+    rank, failure = error.get_first_failure()
+    assert (rank, failure.message, error.name) == (0, error.summary, "notebook_launcher")
+
+
+def test_without_torch_elastic_loaded_a_rank_failure_imports_no_torch():
+    code = (
+        "import sys; from nbaccel.core.errors import RankFailedError; "
+        "error = RankFailedError(0, 2, 'raised ValueError: x'); "
+        "assert type(error) is RankFailedError, type(error).__mro__; "
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def cracks_on_the_last_try(queue):
+    if os.environ["RANK"] != "0":
+        return None
+    trial = queue.get()
+    if trial > 0:
+        queue.put(trial - 1)
+        raise RuntimeError("not yet")
+    return "cracked"
+
+
+@pytest.mark.slow
+def test_accelerates_fault_tolerant_case_runs_with_a_manager_queue():
+    # Accelerate's test_fault_tolerant passes a forked-context Queue; nbaccel's error names a
+    # manager's queue instead (test_launcher_inputs), and this is that advice working.
+    import multiprocessing
+
+    with multiprocessing.Manager() as manager:
+        queue = manager.Queue()
+        queue.put(1)
+        got = nbaccel.notebook_launcher(
+            cracks_on_the_last_try,
+            (queue,),
+            num_processes=2,
+            max_restarts=1,
+            progress=False,
+            timeout=60,
+        )
+        assert queue.empty()
+    assert got == "cracked"  # on the restart, from what the first try put back
 
 
 def sees_gpus():

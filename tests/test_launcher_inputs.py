@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import resource
 import socket
@@ -55,6 +56,19 @@ class TestRejectedBeforeStarting:
 
         with pytest.raises(TypeError, match="the function .*uses_lock cannot be sent"):
             nbaccel.notebook_launcher(uses_lock, num_processes=1)
+
+    def test_a_multiprocessing_queue_is_refused_with_what_to_use(self):
+        # Accelerate's test_fault_tolerant passes one: its ranks are forks of the caller.
+        queue = multiprocessing.get_context("fork").Queue()
+        use = r"fork server, not forked from this process.*`manager = multiprocessing.Manager\(\)`"
+        with pytest.raises(TypeError, match=r"args\[0\] \(Queue\) cannot be sent.*" + use):
+            nbaccel.notebook_launcher(noop, args=(queue,), num_processes=2)
+
+        def puts():
+            queue.put(1)
+
+        with pytest.raises(TypeError, match=r"the function .*puts cannot be sent.*" + use):
+            nbaccel.notebook_launcher(puts, num_processes=2)
 
     def test_unknown_mixed_precision_lists_choices(self):
         with pytest.raises(ValueError, match="'fp4'.*'no', 'fp16', 'bf16', 'fp8'"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pickle
 
+from nbaccel.core.child_failed import fill_failures, rank_failed_class
+
 
 class UsageError(Exception):
     """A command-line flag or file cannot work; nothing was started. The message says why."""
@@ -33,7 +35,13 @@ class RankFailedError(LaunchError):
         cause: what another rank did first when this failure is only its consequence, e.g.
             "rank 1 exited (code 0) while rank 0 was still in a collective"; it leads the
             message.
+
+    Where torch elastic's errors module is loaded (code that says ``except ChildFailedError``,
+    as written for Accelerate), the error is a ``ChildFailedError`` too (``core.child_failed``).
     """
+
+    def __new__(cls, *args: object, **kwargs: object) -> RankFailedError:
+        return super().__new__(rank_failed_class(cls) if cls is RankFailedError else cls, *args)
 
     def __init__(
         self,
@@ -57,6 +65,7 @@ class RankFailedError(LaunchError):
         self.exitcode = exitcode
         self.other_failures = other_failures
         super().__init__(self._message())
+        fill_failures(self)
 
     def _message(self) -> str:
         text = f"rank {self.rank} (of {self.world_size}) {self.summary}"

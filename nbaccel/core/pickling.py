@@ -46,6 +46,9 @@ _PROCESS_STATES = {
     ("accelerate.state", "AcceleratorState"): "AcceleratorState()",
     ("accelerate.accelerator", "Accelerator"): "Accelerator()",
 }
+# A class that says why its objects cannot go to another process (an nbaccel Accelerator):
+# ``__nbaccel_not_sendable__()`` gives the error to raise.
+_NOT_SENDABLE = ("nbaccel", "__nbaccel_not_sendable__")
 # What TrainingArguments caches about its process (transformers 4.x-5.x): without these, the
 # copy sets its devices up again, in the rank, the first time it is asked.
 _TRAINING_ARGUMENTS_CACHE = ("_setup_devices", "distributed_state", "_n_gpu")
@@ -59,9 +62,12 @@ def _defined_as(obj: Any) -> tuple[str, str] | None:
     cls = type(obj)
     if cls not in _KIND_OF_TYPE:
         keys = ((k.__module__, k.__qualname__) for k in cls.__mro__)
-        _KIND_OF_TYPE[cls] = next(
+        kind = next(
             (key for key in keys if key == _TRAINING_ARGUMENTS or key in _PROCESS_STATES), None
         )
+        # The classes' own dicts, not hasattr: a metaclass's __getattr__ may answer anything.
+        refuses = any(_NOT_SENDABLE[1] in vars(k) for k in cls.__mro__)
+        _KIND_OF_TYPE[cls] = _NOT_SENDABLE if refuses else kind
     return _KIND_OF_TYPE[cls]
 
 
@@ -81,6 +87,8 @@ def _training_arguments_here(cls: type, state: dict[str, Any]) -> Any:
 
 
 def _kernel_state_reduce(obj: Any, key: tuple[str, str]) -> Any:
+    if key == _NOT_SENDABLE:
+        raise obj.__nbaccel_not_sendable__()
     if key == _TRAINING_ARGUMENTS:
         state = {k: v for k, v in vars(obj).items() if k not in _TRAINING_ARGUMENTS_CACHE}
         state["distributed_state"] = None

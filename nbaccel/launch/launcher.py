@@ -54,7 +54,8 @@ def notebook_launcher(
     given here come from ``config``, else from the saved default config (``nbaccel.configure()``/
     ``nbaccel config``). ``max_restarts`` relaunches every rank after a rank fails, that many
     times at most. ``log_line_prefix_template`` labels the ranks' lines in text output (torch
-    elastic's form: ``"[${rank}]: "``). The rendezvous is static (``rdzv_endpoint``,
+    elastic's form: ``"[${rank}]: "``). The rendezvous is static (``rdzv_backend="c10d"`` is
+    accepted on one machine, where local ranks meet the same way; ``rdzv_endpoint``,
     ``rdzv_conf`` and ``rdzv_id`` only matter to elastic ones: ``nbaccel launch``), and the
     ranks are followed by events, so ``monitor_interval`` changes nothing.
 

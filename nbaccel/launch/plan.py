@@ -71,7 +71,6 @@ def resolve_plan(
             f"function must be callable (the training function to run on every rank), "
             f"got {type(function).__name__}."
         )
-    _check_elastic_options(rdzv_backend, monitor_interval, line_prefix)
     preload = _check_preload(preload)
     cfg = _resolve_config(config, num_processes, mixed_precision, start_method, max_restarts)
     nprocs = _resolve_num_processes(cfg.num_processes)
@@ -79,6 +78,7 @@ def resolve_plan(
     check_int("num_nodes", num_nodes, 1)
     if node_rank >= num_nodes:
         raise ValueError(f"node_rank={node_rank} must be below num_nodes={num_nodes}.")
+    _check_elastic_options(rdzv_backend, num_nodes, monitor_interval, line_prefix)
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     method = check_start_method(resolve_start_method(cfg.start_method))
@@ -191,14 +191,21 @@ def _check_preload(preload: Any) -> tuple[str, ...]:
     return names
 
 
-def _check_elastic_options(rdzv_backend: Any, monitor_interval: Any, line_prefix: Any) -> None:
-    """Accelerate's torch-elastic options, as far as a notebook launch has them."""
-    if rdzv_backend != "static":
+def _check_elastic_options(
+    rdzv_backend: Any, num_nodes: Any, monitor_interval: Any, line_prefix: Any
+) -> None:
+    """Accelerate's torch-elastic options, as far as a notebook launch has them. On one machine
+    ``c10d`` is accepted as Accelerate accepts it: a fixed set of local ranks meets the same way
+    either way, so the launch uses the static rendezvous."""
+    one_machine_c10d = rdzv_backend == "c10d" and num_nodes == 1
+    if rdzv_backend != "static" and not one_machine_c10d:
+        across = " across machines" if rdzv_backend == "c10d" else ""
         raise ValueError(
-            f"rdzv_backend={rdzv_backend!r}: notebook launches meet at master_addr:use_port "
-            "(a static rendezvous). For an elastic rendezvous across machines run the same "
-            f"function as a script: nbaccel launch --rdzv_backend {rdzv_backend} script.py "
-            "(nbaccel export writes the script)."
+            f"rdzv_backend={rdzv_backend!r}{across}: notebook launches meet at "
+            "master_addr:use_port (a static rendezvous; 'c10d' is accepted on one machine). "
+            "For an elastic rendezvous across machines run the same function as a script: "
+            f"nbaccel launch --rdzv_backend {rdzv_backend} script.py (nbaccel export writes "
+            "the script)."
         )
     if isinstance(monitor_interval, bool) or not isinstance(monitor_interval, (int, float)):
         raise TypeError(f"monitor_interval must be a number of seconds, got {monitor_interval!r}.")
@@ -357,8 +364,11 @@ def _serialize(
         # (dozens of cloudpickle frames) would bury it in a notebook.
         raise TypeError(
             f"the function {name} cannot be sent to the ranks: {type(exc).__name__}: {exc}. "
-            "Something it refers to (a global, a closure variable) cannot be pickled; create "
-            "that object inside the function instead."
+            + (
+                _inherited_only(exc)
+                or "Something it refers to (a global, a closure variable) cannot be pickled; "
+                "create that object inside the function instead."
+            )
         ) from None
 
     def dump(value: Any, label: str) -> bytes:
@@ -369,13 +379,31 @@ def _serialize(
                 raise TypeError(f"{label} ({type(value).__name__}): {exc}") from None
             raise TypeError(
                 f"{label} ({type(value).__name__}) cannot be sent to the ranks: "
-                f"{type(exc).__name__}: {exc}. Pass something picklable (e.g. a path or the "
-                "parameters to build it) and create the object inside the function."
+                f"{type(exc).__name__}: {exc}. "
+                + (
+                    _inherited_only(exc)
+                    or "Pass something picklable (e.g. a path or the parameters to build it) "
+                    "and create the object inside the function."
+                )
             ) from None
 
     arg_bytes = [dump(a, f"args[{i}]") for i, a in enumerate(args)]
     kwarg_bytes = {k: dump(v, f"kwargs[{k!r}]") for k, v in kwargs.items()}
     return function_bytes, arg_bytes, kwarg_bytes, packer.seal()
+
+
+def _inherited_only(exc: Exception) -> str:
+    """What to use instead of a multiprocessing Queue, Event, Lock, Value or Array, which only
+    reach processes forked from this one ("" for other pickling errors): Accelerate's
+    notebook_launcher forks the ranks from the kernel, nbaccel's come from a fork server."""
+    if "should only be shared between processes through inheritance" not in str(exc):
+        return ""
+    return (
+        "nbaccel's ranks are started by a fork server, not forked from this process, so they "
+        "cannot inherit it. Make it with a manager, which every rank (and every restart) "
+        "reaches: `manager = multiprocessing.Manager()`, then `manager.Queue()` (or "
+        "`.Event()`, `.Lock()`, `.Value('i', 0)`, `.dict()`)."
+    )
 
 
 def _worker_env(

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import settings_report
-from nbaccel.training import data, data_compat
+from nbaccel.training import accelerator_pickling, data, data_compat
 from nbaccel.training.accelerator_options import resolve_options
 from nbaccel.training.accelerator_processes import ProcessControl
 from nbaccel.training.accelerator_saving import Saving
@@ -62,10 +62,6 @@ TrackerChoice = str | LoggerType | GeneralTracker
 
 _PREPARED = "_nbaccel_prepared"
 _UNSET: Any = object()  # "not given", so dataloader_config can supply split_batches
-NOT_SENDABLE = (
-    "an Accelerator created in the kernel cannot be sent to the ranks: create `Accelerator()` "
-    "inside the training function (it then runs as its rank, with gradient sync)."
-)
 
 
 class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
@@ -235,17 +231,12 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # An Accelerator holds this process's rank, device and process group: a copy sent to a
-        # launched rank would silently run there as "rank 0 of 1" (no gradient sync, every rank
-        # the main one). Accelerate refuses this too; pickle errors stop the launch up front.
-        if self.num_processes > 1:  # pickled inside a rank (a returned value, gather_object)
-            raise TypeError(
-                "an Accelerator cannot be pickled: it holds this rank's process group. "
-                "Return or gather plain values (tensors, numbers) instead."
-            )
-        error = TypeError(NOT_SENDABLE)
-        error.nbaccel_hint = True  # type: ignore[attr-defined]  # launch: message is complete
-        raise error
+        # A reference to this Accelerator, loadable in this process only (see
+        # accelerator_pickling); nbaccel's transport refuses it up front (sending_error).
+        return accelerator_pickling.reduce_to_reference(self)
+
+    def __nbaccel_not_sendable__(self) -> TypeError:
+        return accelerator_pickling.sending_error(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Accelerator:
         # One per process: deep-copying something that refers to it (a prepared model's

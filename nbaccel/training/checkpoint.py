@@ -94,7 +94,7 @@ def save_state(
     the previous checkpoint as it was; a full disk says how much room it needs."""
     final = Path(directory)
     staging, old = _siblings(final)
-    main = acc.is_main_process
+    main = _writes_folder(acc, final)
     if main:
         shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
         staging.mkdir(parents=True)
@@ -130,6 +130,26 @@ def save_state(
         shutil.rmtree(old, ignore_errors=True)
     ops.barrier()
     return final
+
+
+def _writes_folder(acc: AcceleratorParts, final: Path) -> bool:
+    """Whether this rank writes the files of ``final`` that all its ranks share (models,
+    optimizers, loaders): the main process; where ranks pass different folders (each its own
+    temporary folder, as Accelerate's tests do), the first rank of each, so every folder is a
+    whole checkpoint, swapped in as one. Collective: every rank asks, and every rank refuses
+    alike where a rank holds only part of the state."""
+    folders = ops.gather_object(os.path.abspath(final))
+    if len(set(folders)) == 1:
+        return acc.is_main_process
+    strategy = acc.prepared().strategy
+    if not strategy.full_state_on_every_rank:
+        shown = ", ".join(f"rank {rank}: {folder}" for rank, folder in enumerate(folders[:4]))
+        more = ", ..." if len(folders) > 4 else ""
+        raise ValueError(
+            f"save_state: the ranks passed different folders ({shown}{more}); with strategy={strategy.name!r} each rank holds only part of the state, so "
+            "every rank must pass the same folder, one they can all reach."
+        )
+    return folders.index(folders[acc.process_index]) == acc.process_index
 
 
 def _tree_bytes(folder: Path) -> int:

@@ -1,4 +1,5 @@
-"""``python -m tests.accelerate_suite [nbaccel|accelerate|both]``: the whole table."""
+"""``python -m tests.accelerate_suite [nbaccel|accelerate|both] [CASE_ID ...]``: the whole
+table, or the rows of the cases named (``test_notebook::test_monitoring``)."""
 
 import sys
 
@@ -6,4 +7,5 @@ from tests.accelerate_suite.runner import table
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "both"
-    print(table(["nbaccel", "accelerate"] if which == "both" else [which]))
+    libs = ["nbaccel", "accelerate"] if which == "both" else [which]
+    print(table(libs, sys.argv[2:] or None))

@@ -5,8 +5,9 @@ libraries (Accelerate's ranks get ``ACCELERATE_USE_CPU=true``, its own 2-CPU mod
 (``test_notebook.py``: the script itself calls ``notebook_launcher``) run in a fresh Python
 process with ``ACCELERATE_NUM_PROCESSES=2``, as Accelerate's CI runs that script.
 
-``python -m tests.accelerate_suite [nbaccel|accelerate|both]`` runs every case, one launch each,
-and prints the Markdown table kept in ``docs/accelerate_suite.md``.
+``python -m tests.accelerate_suite [nbaccel|accelerate|both] [CASE_ID ...]`` runs every case (or
+the cases named), one launch each, and prints the Markdown table kept in
+``docs/accelerate_suite.md`` (only the rows and totals of the cases run).
 """
 
 from __future__ import annotations
@@ -164,11 +165,15 @@ def _in_fresh_process(lib: str, case: Case) -> str:
     return "fail: " + (lines[-1][:200] if lines else f"exit code {child.returncode}")
 
 
-def table(libs: list[str]) -> str:
-    """Run every case with each of ``libs``; the Markdown table and the totals."""
+def table(libs: list[str], only: list[str] | None = None) -> str:
+    """Run every case (those whose ids are in ``only``) with each of ``libs``; the Markdown
+    table and the totals."""
+    unknown = set(only or ()) - {c.id for c in CASES}
+    if unknown:
+        raise SystemExit(f"no such case: {', '.join(sorted(unknown))}")
     rows, totals = [], {lib: {"pass": 0, "fail": 0, "n/a": 0} for lib in libs}
     note = {c.id: c.differs for c in CASES}
-    for case in CASES:
+    for case in [c for c in CASES if not only or c.id in only]:
         why = not_applicable(case)
         cells = []
         for lib in libs:

@@ -187,6 +187,13 @@ class Strategy:
         the pre-hooks get no ``weights`` and no load-time ``models``."""
         return False
 
+    @property
+    def full_state_on_every_rank(self) -> bool:
+        """Whether every rank holds the whole model and optimizer state (replicas), so a rank
+        can write a whole checkpoint of its own (ranks that pass ``save_state`` different
+        folders)."""
+        return False
+
     def models_for_hooks(
         self,
         models: Sequence[torch.nn.Module],

@@ -44,6 +44,10 @@ class DDPStrategy(Strategy):
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DistributedDataParallel) else module
 
+    @property
+    def full_state_on_every_rank(self) -> bool:
+        return True  # replicas: DDP keeps every rank's model and optimizer the same
+
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
         if isinstance(module, DistributedDataParallel):
             return module.no_sync()
