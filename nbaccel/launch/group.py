@@ -220,7 +220,9 @@ class RankGroup(StopSequence):
         was sent a stop signal while it ran, and did not die of a signal it was not sent (a
         rank SIGKILLed by someone else while only SIGTERM had gone out failed first)."""
         sent = self._stop_signals.get(rank)
-        return bool(sent) and (exitcode is None or exitcode >= 0 or -exitcode in sent)
+        if not sent:
+            return False
+        return exitcode is None or exitcode >= 0 or -exitcode in sent
 
     def send_signal(self, ranks: list[RankProcess], sig: int) -> None:
         """Send ``sig`` to these ranks only (not their children): e.g. a stack-dump request."""
