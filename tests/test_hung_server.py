@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -19,7 +20,7 @@ import nbaccel
 from nbaccel import RankFailedError
 from nbaccel.core import mp_internals
 from nbaccel.core.errors import LaunchError
-from nbaccel.launch import forkserver
+from nbaccel.launch import forkserver, group
 
 pytestmark = pytest.mark.slow  # real ranks, a server stopped for seconds
 
@@ -83,3 +84,32 @@ def test_a_rank_of_a_retired_server_that_dies_is_said_to_have_lost_its_server(mo
     with pytest.raises(RankFailedError, match="ended when its fork server died"):
         background.result(timeout=60)
     assert _gone([hung, *ranks]) == []
+
+
+def test_ctrl_c_frees_the_kernel_when_the_server_hangs_under_running_ranks(monkeypatch):
+    """The server stops answering while a blocking launch runs: its ranks end, but no exit
+    status can arrive. Ctrl-C must still end the launch (the hung server is killed so the
+    statuses arrive), leave nothing running, and the next launch gets a fresh server."""
+    monkeypatch.setattr(group.RankGroup, "_kill_wait", 1.0)  # 5 s in real use
+    nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
+    hung = mp_internals.forkserver_pid()
+    pids = []
+
+    def hang_then_interrupt():
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            pids[:] = [c.pid for c in psutil.Process(hung).children()]
+            time.sleep(0.02)
+        os.kill(hung, signal.SIGSTOP)
+        time.sleep(1.5)  # the ranks end meanwhile; their server cannot report it
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(20)  # the launch should have ended long before: free a broken one
+        os.kill(hung, signal.SIGCONT)
+
+    threading.Thread(target=hang_then_interrupt, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        nbaccel.notebook_launcher(sleeps_then_returns, args=(0.5,), num_processes=2, progress=False)
+    assert time.monotonic() - started < 15, "Ctrl-C waited for the hung server"
+    assert _gone([hung, *pids]) == []
+    assert nbaccel.notebook_launcher(lambda: 7, num_processes=2, progress=False) == 7

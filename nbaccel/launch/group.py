@@ -26,6 +26,9 @@ from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
 
 STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
+# Seconds a SIGKILLed rank's exit status may take to come from its fork server; a server that
+# takes longer has stopped answering (hung, or stopped) and would hold the kernel forever.
+KILLED_STATUS_WAIT = 5.0
 
 
 @dataclasses.dataclass
@@ -69,7 +72,8 @@ class StopSequence:
     never block (the loop's ``RunJob`` calls them); :meth:`stop` is the blocking form for
     cleanup paths. A group supplies ``alive()`` (its ranks still running, each with a
     ``sentinel``), ``_signal_trees(sig)`` and ``reap()``, and ``_kill_wait``: how long its
-    SIGKILLed ranks get before they are reaped anyway."""
+    SIGKILLed ranks get before they are reaped anyway (after ``_statuses_late()``: what to do
+    about ranks whose end has still not been reported)."""
 
     _kill_at: float | None = None  # set by begin_stop
     _kill_wait: float | None = None  # None: as long as it takes
@@ -95,6 +99,9 @@ class StopSequence:
     def reap(self) -> None:
         raise NotImplementedError
 
+    def _statuses_late(self) -> None:
+        """``_kill_wait`` s after SIGKILL some ranks' ends are still unreported."""
+
     def begin_stop(self, grace: float) -> None:
         """Ask every live rank and its children to stop (SIGTERM) now, once; returns at once."""
         if self._kill_at is not None:
@@ -106,6 +113,9 @@ class StopSequence:
         """SIGKILL whatever is still alive once the grace period of :meth:`begin_stop` is over."""
         if self._kill_at is not None and time.monotonic() >= self._kill_at:
             self._signal_trees(signal.SIGKILL)
+            wait = self._kill_wait
+            if wait is not None and time.monotonic() >= self._kill_at + wait and self.alive():
+                self._statuses_late()
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop every rank: SIGTERM, SIGKILL after ``grace`` seconds, then reap them all."""
@@ -114,7 +124,8 @@ class StopSequence:
         if not self.wait(max(0.0, self._kill_at - time.monotonic())):
             self._kill_at = time.monotonic()
             self.poll_stop()
-            self.wait(self._kill_wait)
+            if not self.wait(self._kill_wait):
+                self._statuses_late()
         self.reap()
 
 
@@ -139,6 +150,7 @@ class RankGroup(StopSequence):
         self.start_method = start_method
         self.server = server  # starts at its mirror one launch at a time; registers the ranks
         self.ranks: list[RankProcess] = []
+        self._kill_wait = KILLED_STATUS_WAIT
         self._stop_signals: dict[int, set[int]] = {}  # rank -> stop signals sent while it ran
         self._kill_at: float | None = None  # set by begin_stop
         # (pid, command) of processes the ranks left running that reaping killed
@@ -248,6 +260,20 @@ class RankGroup(StopSequence):
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
             processes.signal_all(children, sig)
+
+    def _statuses_late(self) -> None:
+        """Ranks that have died (zombies of their fork server) but whose server never said so:
+        it has stopped answering, and reaping them would wait forever. Kill that server (what
+        it adopted from dead ranks first), so their statuses arrive: "lost its server"."""
+        for r in self.alive():
+            try:
+                dead = not processes.alive(psutil.Process(r.pid))
+            except psutil.Error:
+                dead = True
+            server = self.server.live.server_of(r.pid)
+            if dead and server is not None:
+                containment.sweep(set(), {server}, self.server.live)
+                self.server.retire_unanswering(server, even_serving=True)
 
     def reap(self) -> None:
         """Reap every rank (they must have exited), then kill what they left running."""
