@@ -113,3 +113,15 @@ def test_ctrl_c_frees_the_kernel_when_the_server_hangs_under_running_ranks(monke
     assert time.monotonic() - started < 15, "Ctrl-C waited for the hung server"
     assert _gone([hung, *pids]) == []
     assert nbaccel.notebook_launcher(lambda: 7, num_processes=2, progress=False) == 7
+
+
+def test_a_server_that_dies_during_a_rank_start_is_named_as_such():
+    """The server dies (the OOM killer, say) while it owes a rank start its answer: the
+    error says what happened and what to do, not multiprocessing's bare 'unexpected EOF'."""
+    nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
+    dead = mp_internals.forkserver_pid()
+    os.kill(dead, signal.SIGSTOP)  # the start waits for its answer...
+    threading.Timer(0.5, os.kill, (dead, signal.SIGKILL)).start()  # ...which never comes
+    with pytest.raises(LaunchError, match=f"fork server .pid {dead}. died while starting rank 0"):
+        nbaccel.notebook_launcher(os.getpid, num_processes=2, progress=False)
+    assert nbaccel.notebook_launcher(lambda: 7, num_processes=2, progress=False) == 7

@@ -20,7 +20,8 @@ from typing import Any
 
 import psutil
 
-from nbaccel.core import processes
+from nbaccel.core import mp_internals, processes
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
@@ -192,7 +193,18 @@ class RankGroup(StopSequence):
                 self.ranks.append(self._start_one(ctx, spec))
                 return
             start = functools.partial(self._start_one, ctx, spec)
-            self.ranks.append(self.server.start_answered(start, interrupted, self._stop_late))
+            server = mp_internals.forkserver_pid()
+            try:
+                self.ranks.append(self.server.start_answered(start, interrupted, self._stop_late))
+            except (EOFError, ConnectionError) as exc:  # multiprocessing's words for it
+                if not mp_internals.server_gone(server):
+                    raise
+                raise LaunchError(
+                    f"the fork server (pid {server}) died while starting rank {spec.rank} "
+                    f"({type(exc).__name__}: {exc}); the ranks started were stopped. Run the "
+                    "launch again: it starts a fresh server. If this repeats, the machine may "
+                    "be out of memory (see `dmesg` for the OOM killer)."
+                ) from None
 
     def _stop_late(self, r: RankProcess) -> None:
         """A rank the fork server forked after its start was given up: it never ran for this

@@ -22,7 +22,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-from nbaccel.core import shared_tensors
+from nbaccel.core import mp_internals, shared_tensors
 from nbaccel.core.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
@@ -36,7 +36,7 @@ from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.relay import Relay, load_payload, server_gone
+from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.ui import View, choose_view
 from nbaccel.ui.busy import BusyBeacon
 
@@ -78,7 +78,7 @@ class RunJob:
         """Whether the fork server ``r`` was forked from (current or retired) has died."""
         if self.group.start_method != "forkserver":
             return False
-        return server_gone(self.group.server.live.server_of(r.pid))
+        return mp_internals.server_gone(self.group.server.live.server_of(r.pid))
 
     def check(self) -> None:
         if self.relay.failures or self.stopping.is_set():
