@@ -20,7 +20,7 @@ import nbaccel
 from nbaccel import RankFailedError
 from nbaccel.core import mp_internals
 from nbaccel.core.errors import LaunchError
-from nbaccel.launch import forkserver, group
+from nbaccel.launch import forkserver, group, launch
 
 pytestmark = pytest.mark.slow  # real ranks, a server stopped for seconds
 
@@ -86,11 +86,14 @@ def test_a_rank_of_a_retired_server_that_dies_is_said_to_have_lost_its_server(mo
     assert _gone([hung, *ranks]) == []
 
 
-def test_ctrl_c_frees_the_kernel_when_the_server_hangs_under_running_ranks(monkeypatch):
+def test_a_server_that_hangs_or_dies_under_a_launch_never_traps_it(monkeypatch):
     """The server stops answering while a blocking launch runs: its ranks end, but no exit
     status can arrive. Ctrl-C must still end the launch (the hung server is killed so the
-    statuses arrive), leave nothing running, and the next launch gets a fresh server."""
+    statuses arrive) and leave nothing running. Then a server that dies while a rank start
+    waits for it (the OOM killer, say): the error says so, not multiprocessing's bare
+    'unexpected EOF'. Each time the next launch gets a fresh server."""
     monkeypatch.setattr(group.RankGroup, "_kill_wait", 1.0)  # 5 s in real use
+    monkeypatch.setattr(launch, "STOP_GRACE", 0.5)  # 3 s
     nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
     hung = mp_internals.forkserver_pid()
     pids = []
@@ -101,7 +104,7 @@ def test_ctrl_c_frees_the_kernel_when_the_server_hangs_under_running_ranks(monke
             pids[:] = [c.pid for c in psutil.Process(hung).children()]
             time.sleep(0.02)
         os.kill(hung, signal.SIGSTOP)
-        time.sleep(1.5)  # the ranks end meanwhile; their server cannot report it
+        time.sleep(1.0)  # the ranks end meanwhile; their server cannot report it
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(20)  # the launch should have ended long before: free a broken one
         os.kill(hung, signal.SIGCONT)
@@ -114,11 +117,6 @@ def test_ctrl_c_frees_the_kernel_when_the_server_hangs_under_running_ranks(monke
     assert _gone([hung, *pids]) == []
     assert nbaccel.notebook_launcher(lambda: 7, num_processes=2, progress=False) == 7
 
-
-def test_a_server_that_dies_during_a_rank_start_is_named_as_such():
-    """The server dies (the OOM killer, say) while it owes a rank start its answer: the
-    error says what happened and what to do, not multiprocessing's bare 'unexpected EOF'."""
-    nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
     dead = mp_internals.forkserver_pid()
     os.kill(dead, signal.SIGSTOP)  # the start waits for its answer...
     threading.Timer(0.5, os.kill, (dead, signal.SIGKILL)).start()  # ...which never comes
