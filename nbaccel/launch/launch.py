@@ -40,6 +40,8 @@ from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.ui import View, choose_view
 from nbaccel.ui.busy import BusyBeacon
 
+AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
+
 
 class RunJob:
     """A launch's function on every rank, for :func:`nbaccel.launch.loop.follow`."""
@@ -266,9 +268,17 @@ class Launch:
             self._thread.join(timeout)
 
     def __await__(self) -> Generator[Any, None, Any]:
+        return self._ended().__await__()
+
+    async def _ended(self) -> Any:
         import asyncio
 
-        return asyncio.wrap_future(self._future).__await__()
+        # Polled rather than awaited through asyncio.wrap_future: ipykernel's Stop cancels an
+        # awaiting cell only once its event loop wakes up, which a wrapped future did only
+        # when the launch ended (Stop then did nothing for the whole run).
+        while not self._future.done():
+            await asyncio.sleep(AWAIT_POLL)
+        return self._future.result()
 
     @property
     def status(self) -> str:
