@@ -92,7 +92,7 @@ def test_a_server_that_hangs_or_dies_under_a_launch_never_traps_it(monkeypatch):
     statuses arrive) and leave nothing running. Then a server that dies while a rank start
     waits for it (the OOM killer, say): the error says so, not multiprocessing's bare
     'unexpected EOF'. Each time the next launch gets a fresh server."""
-    monkeypatch.setattr(group.RankGroup, "_kill_wait", 1.0)  # 5 s in real use
+    monkeypatch.setattr(group, "KILLED_STATUS_WAIT", 1.0)  # 5 s in real use
     monkeypatch.setattr(launch, "STOP_GRACE", 0.5)  # 3 s
     nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
     hung = mp_internals.forkserver_pid()
@@ -123,3 +123,25 @@ def test_a_server_that_hangs_or_dies_under_a_launch_never_traps_it(monkeypatch):
     with pytest.raises(LaunchError, match=f"fork server .pid {dead}. died while starting rank 0"):
         nbaccel.notebook_launcher(os.getpid, num_processes=2, progress=False)
     assert nbaccel.notebook_launcher(lambda: 7, num_processes=2, progress=False) == 7
+
+
+def test_ranks_that_end_under_a_hung_server_end_their_launch(monkeypatch):
+    """Without Ctrl-C: ranks that return while their server no longer answers are never
+    reported by it; the launch notices they are dead, stops the server, and returns."""
+    monkeypatch.setattr(group, "KILLED_STATUS_WAIT", 1.0)  # 5 s in real use
+    nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
+    hung = mp_internals.forkserver_pid()
+
+    def hang():
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(hung).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(hung, signal.SIGSTOP)
+        time.sleep(20)  # the launch should have ended long before: free a broken one
+        os.kill(hung, signal.SIGCONT)
+
+    threading.Thread(target=hang, daemon=True).start()
+    started = time.monotonic()
+    assert nbaccel.notebook_launcher(sleeps_then_returns, args=(0.5,), num_processes=2) == 11
+    assert time.monotonic() - started < 12, "the launch waited for the hung server"
+    assert _gone([hung]) == []

@@ -103,6 +103,9 @@ class StopSequence:
     def _statuses_late(self) -> None:
         """``_kill_wait`` s after SIGKILL some ranks' ends are still unreported."""
 
+    def notice_unreported(self) -> None:
+        """Each loop turn: ranks that ended by themselves but were never reported."""
+
     def begin_stop(self, grace: float) -> None:
         """Ask every live rank and its children to stop (SIGTERM) now, once; returns at once."""
         if self._kill_at is not None:
@@ -152,6 +155,8 @@ class RankGroup(StopSequence):
         self.server = server  # starts at its mirror one launch at a time; registers the ranks
         self.ranks: list[RankProcess] = []
         self._kill_wait = KILLED_STATUS_WAIT
+        self._dead_since: dict[int, float] = {}  # pid -> when seen dead, its end unreported
+        self._next_look = 0.0
         self._stop_signals: dict[int, set[int]] = {}  # rank -> stop signals sent while it ran
         self._kill_at: float | None = None  # set by begin_stop
         # (pid, command) of processes the ranks left running that reaping killed
@@ -278,14 +283,23 @@ class RankGroup(StopSequence):
         it has stopped answering, and reaping them would wait forever. Kill that server (what
         it adopted from dead ranks first), so their statuses arrive: "lost its server"."""
         for r in self.alive():
-            try:
-                dead = not processes.alive(psutil.Process(r.pid))
-            except psutil.Error:
-                dead = True
             server = self.server.live.server_of(r.pid)
-            if dead and server is not None:
+            if _dead(r.pid) and server is not None:
                 containment.sweep(set(), {server}, self.server.live)
                 self.server.retire_unanswering(server, even_serving=True)
+
+    def notice_unreported(self) -> None:
+        """A rank that ended by itself under a server that stopped answering is never
+        reported, and the launch would wait for it forever: once a second, note ranks that
+        are dead but unreported; after ``_kill_wait`` s, see :meth:`_statuses_late`."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + 1.0
+        unreported = {r.pid for r in self.alive() if _dead(r.pid)}
+        self._dead_since = {p: self._dead_since.get(p, now) for p in unreported}
+        if any(now - since >= self._kill_wait for since in self._dead_since.values()):
+            self._statuses_late()
 
     def reap(self) -> None:
         """Reap every rank (they must have exited), then kill what they left running."""
@@ -295,3 +309,11 @@ class RankGroup(StopSequence):
                 r.reap()
         if pids:
             self.strays += self.server.reaped(pids)
+
+
+def _dead(pid: int) -> bool:
+    """Whether the rank ``pid`` has ended (a zombie its server has not reaped, or gone)."""
+    try:
+        return not processes.alive(psutil.Process(pid))
+    except psutil.Error:
+        return True

@@ -63,7 +63,8 @@ class RunJob:
         if rank.status == Status.FAILED:
             error = next(e for k, e in self.relay.failures if k == r.rank)
             error.exitcode = code
-        elif code == 0 and r.rank in self.relay.payloads:
+        elif r.rank in self.relay.payloads and (code == 0 or code == 255 and self._server_gone(r)):
+            # Its result arrived; a dead server (255) cannot say how it exited.
             rank.move(Status.FINISHED)
         elif self.group.was_stopped(r.rank, code):
             rank.move(Status.STOPPED)
@@ -83,6 +84,7 @@ class RunJob:
         return mp_internals.server_gone(self.group.server.live.server_of(r.pid))
 
     def check(self) -> None:
+        self.group.notice_unreported()  # ranks ended under a fork server that hung
         if self.relay.failures or self.stopping.is_set():
             self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
         self.group.poll_stop()
