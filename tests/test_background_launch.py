@@ -9,6 +9,7 @@ rank 0's value or raises the launch's error.
 from __future__ import annotations
 
 import textwrap
+import threading
 import time
 
 import pytest
@@ -181,6 +182,17 @@ def test_stop_leaves_nothing_running(kernel, tmp_path):
     )
     assert refused.error is not None and refused.error["ename"] == "LaunchError"
     assert "needs a fresh fork server" in refused.error_text
+    assert len(running(tmp_path)) == 4
+    # Stop in a cell that awaits the launch ends that wait, not the launch (a wrapped future
+    # woke ipykernel's loop only when the launch ended: Stop did nothing for 1000 s).
+    threading.Timer(0.5, kernel.interrupt).start()
+    began = time.monotonic()
+    awaited = kernel.execute("await running_launch", timeout=20)
+    assert time.monotonic() - began < 10
+    assert awaited.error is not None and awaited.error["ename"] in (
+        "CancelledError",
+        "KeyboardInterrupt",
+    )
     assert len(running(tmp_path)) == 4
     stopped = kernel.execute("running_launch.stop(); running_launch.status")
     assert stopped.error is None, stopped.error_text

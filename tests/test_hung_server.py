@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -19,7 +20,7 @@ import nbaccel
 from nbaccel import RankFailedError
 from nbaccel.core import mp_internals
 from nbaccel.core.errors import LaunchError
-from nbaccel.launch import forkserver
+from nbaccel.launch import forkserver, group, launch
 
 pytestmark = pytest.mark.slow  # real ranks, a server stopped for seconds
 
@@ -83,3 +84,64 @@ def test_a_rank_of_a_retired_server_that_dies_is_said_to_have_lost_its_server(mo
     with pytest.raises(RankFailedError, match="ended when its fork server died"):
         background.result(timeout=60)
     assert _gone([hung, *ranks]) == []
+
+
+def test_a_server_that_hangs_or_dies_under_a_launch_never_traps_it(monkeypatch):
+    """The server stops answering while a blocking launch runs: its ranks end, but no exit
+    status can arrive. Ctrl-C must still end the launch (the hung server is killed so the
+    statuses arrive) and leave nothing running. Then a server that dies while a rank start
+    waits for it (the OOM killer, say): the error says so, not multiprocessing's bare
+    'unexpected EOF'. Each time the next launch gets a fresh server."""
+    monkeypatch.setattr(group, "KILLED_STATUS_WAIT", 1.0)  # 5 s in real use
+    monkeypatch.setattr(launch, "STOP_GRACE", 0.5)  # 3 s
+    nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
+    hung = mp_internals.forkserver_pid()
+    pids = []
+
+    def hang_then_interrupt():
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
+            pids[:] = [c.pid for c in psutil.Process(hung).children()]
+            time.sleep(0.02)
+        os.kill(hung, signal.SIGSTOP)
+        time.sleep(1.0)  # the ranks end meanwhile; their server cannot report it
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(20)  # the launch should have ended long before: free a broken one
+        os.kill(hung, signal.SIGCONT)
+
+    threading.Thread(target=hang_then_interrupt, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        nbaccel.notebook_launcher(sleeps_then_returns, args=(0.5,), num_processes=2, progress=False)
+    assert time.monotonic() - started < 15, "Ctrl-C waited for the hung server"
+    assert _gone([hung, *pids]) == []
+    assert nbaccel.notebook_launcher(lambda: 7, num_processes=2, progress=False) == 7
+
+    dead = mp_internals.forkserver_pid()
+    os.kill(dead, signal.SIGSTOP)  # the start waits for its answer...
+    threading.Timer(0.5, os.kill, (dead, signal.SIGKILL)).start()  # ...which never comes
+    with pytest.raises(LaunchError, match=f"fork server .pid {dead}. died while starting rank 0"):
+        nbaccel.notebook_launcher(os.getpid, num_processes=2, progress=False)
+    assert nbaccel.notebook_launcher(lambda: 7, num_processes=2, progress=False) == 7
+
+
+def test_ranks_that_end_under_a_hung_server_end_their_launch(monkeypatch):
+    """Without Ctrl-C: ranks that return while their server no longer answers are never
+    reported by it; the launch notices they are dead, stops the server, and returns."""
+    monkeypatch.setattr(group, "KILLED_STATUS_WAIT", 1.0)  # 5 s in real use
+    nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
+    hung = mp_internals.forkserver_pid()
+
+    def hang():
+        deadline = time.monotonic() + 60
+        while len(psutil.Process(hung).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(hung, signal.SIGSTOP)
+        time.sleep(20)  # the launch should have ended long before: free a broken one
+        os.kill(hung, signal.SIGCONT)
+
+    threading.Thread(target=hang, daemon=True).start()
+    started = time.monotonic()
+    assert nbaccel.notebook_launcher(sleeps_then_returns, args=(0.5,), num_processes=2) == 11
+    assert time.monotonic() - started < 12, "the launch waited for the hung server"
+    assert _gone([hung]) == []

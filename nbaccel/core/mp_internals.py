@@ -105,6 +105,18 @@ def server_alive(pid: int | None) -> bool:
         return True
 
 
+def server_gone(server: int | None, wait: float = 1.0) -> bool:
+    """Whether the fork server ``server`` (a rank's own: the current one or one retired while
+    its ranks ran) has died; its sockets close before it is a zombie, so its rank's end can
+    arrive first: give it ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while server is not None and server_alive(server):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return server is not None
+
+
 def forget_forkserver() -> None:
     """In a process forked by the fork server: drop the server's "alive" pipe and its address.
 

@@ -179,13 +179,14 @@ class ForkServer:
             return
         self._retire(pid)
 
-    def retire_unanswering(self, pid: int) -> int:
+    def retire_unanswering(self, pid: int, even_serving: bool = False) -> int:
         """The server ``pid`` did not answer a rank start: set it aside (the next start gets
         a fresh one) and stop it now, unless ranks forked from it live: it serves them until
-        the last is reaped. Returns how many there are."""
+        the last is reaped. Returns how many there are. ``even_serving``: it did not report
+        its ranks' ends either (``RankGroup._statuses_late``), so it is stopped anyway."""
         self._retire(pid)
         serving = len(self.live.from_server(pid))
-        if not serving:
+        if even_serving or not serving:
             with self._lock:
                 if pid in self._retired:  # a hung server does not exit by itself: SIGKILL
                     mp_internals.end_detached(self._retired.pop(pid), wait=0.0)

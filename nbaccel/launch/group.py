@@ -20,12 +20,16 @@ from typing import Any
 
 import psutil
 
-from nbaccel.core import processes
+from nbaccel.core import mp_internals, processes
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.launch import containment, forkserver
 from nbaccel.rank.entry import run_rank
 
 STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
+# Seconds a SIGKILLed rank's exit status may take to come from its fork server; a server that
+# takes longer has stopped answering (hung, or stopped) and would hold the kernel forever.
+KILLED_STATUS_WAIT = 5.0
 
 
 @dataclasses.dataclass
@@ -69,7 +73,8 @@ class StopSequence:
     never block (the loop's ``RunJob`` calls them); :meth:`stop` is the blocking form for
     cleanup paths. A group supplies ``alive()`` (its ranks still running, each with a
     ``sentinel``), ``_signal_trees(sig)`` and ``reap()``, and ``_kill_wait``: how long its
-    SIGKILLed ranks get before they are reaped anyway."""
+    SIGKILLed ranks get before they are reaped anyway (after ``_statuses_late()``: what to do
+    about ranks whose end has still not been reported)."""
 
     _kill_at: float | None = None  # set by begin_stop
     _kill_wait: float | None = None  # None: as long as it takes
@@ -95,6 +100,12 @@ class StopSequence:
     def reap(self) -> None:
         raise NotImplementedError
 
+    def _statuses_late(self) -> None:
+        """``_kill_wait`` s after SIGKILL some ranks' ends are still unreported."""
+
+    def notice_unreported(self) -> None:
+        """Each loop turn: ranks that ended by themselves but were never reported."""
+
     def begin_stop(self, grace: float) -> None:
         """Ask every live rank and its children to stop (SIGTERM) now, once; returns at once."""
         if self._kill_at is not None:
@@ -106,6 +117,9 @@ class StopSequence:
         """SIGKILL whatever is still alive once the grace period of :meth:`begin_stop` is over."""
         if self._kill_at is not None and time.monotonic() >= self._kill_at:
             self._signal_trees(signal.SIGKILL)
+            wait = self._kill_wait
+            if wait is not None and time.monotonic() >= self._kill_at + wait and self.alive():
+                self._statuses_late()
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop every rank: SIGTERM, SIGKILL after ``grace`` seconds, then reap them all."""
@@ -114,7 +128,8 @@ class StopSequence:
         if not self.wait(max(0.0, self._kill_at - time.monotonic())):
             self._kill_at = time.monotonic()
             self.poll_stop()
-            self.wait(self._kill_wait)
+            if not self.wait(self._kill_wait):
+                self._statuses_late()
         self.reap()
 
 
@@ -139,6 +154,9 @@ class RankGroup(StopSequence):
         self.start_method = start_method
         self.server = server  # starts at its mirror one launch at a time; registers the ranks
         self.ranks: list[RankProcess] = []
+        self._kill_wait = KILLED_STATUS_WAIT
+        self._dead_since: dict[int, float] = {}  # pid -> when seen dead, its end unreported
+        self._next_look = 0.0
         self._stop_signals: dict[int, set[int]] = {}  # rank -> stop signals sent while it ran
         self._kill_at: float | None = None  # set by begin_stop
         # (pid, command) of processes the ranks left running that reaping killed
@@ -180,7 +198,18 @@ class RankGroup(StopSequence):
                 self.ranks.append(self._start_one(ctx, spec))
                 return
             start = functools.partial(self._start_one, ctx, spec)
-            self.ranks.append(self.server.start_answered(start, interrupted, self._stop_late))
+            server = mp_internals.forkserver_pid()
+            try:
+                self.ranks.append(self.server.start_answered(start, interrupted, self._stop_late))
+            except (EOFError, ConnectionError) as exc:  # multiprocessing's words for it
+                if not mp_internals.server_gone(server):
+                    raise
+                raise LaunchError(
+                    f"the fork server (pid {server}) died while starting rank {spec.rank} "
+                    f"({type(exc).__name__}: {exc}); the ranks started were stopped. Run the "
+                    "launch again: it starts a fresh server. If this repeats, the machine may "
+                    "be out of memory (see `dmesg` for the OOM killer)."
+                ) from None
 
     def _stop_late(self, r: RankProcess) -> None:
         """A rank the fork server forked after its start was given up: it never ran for this
@@ -251,6 +280,29 @@ class RankGroup(StopSequence):
             self.send_signal([r], sig)
             processes.signal_all(children, sig)
 
+    def _statuses_late(self) -> None:
+        """Ranks that have died (zombies of their fork server) but whose server never said so:
+        it has stopped answering, and reaping them would wait forever. Kill that server (what
+        it adopted from dead ranks first), so their statuses arrive: "lost its server"."""
+        for r in self.alive():
+            server = self.server.live.server_of(r.pid)
+            if _dead(r.pid) and server is not None:
+                containment.sweep(set(), {server}, self.server.live)
+                self.server.retire_unanswering(server, even_serving=True)
+
+    def notice_unreported(self) -> None:
+        """A rank that ended by itself under a server that stopped answering is never
+        reported, and the launch would wait for it forever: once a second, note ranks that
+        are dead but unreported; after ``_kill_wait`` s, see :meth:`_statuses_late`."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + 1.0
+        unreported = {r.pid for r in self.alive() if _dead(r.pid)}
+        self._dead_since = {p: self._dead_since.get(p, now) for p in unreported}
+        if any(now - since >= self._kill_wait for since in self._dead_since.values()):
+            self._statuses_late()
+
     def reap(self) -> None:
         """Reap every rank (they must have exited), then kill what they left running."""
         pids = {r.pid for r in self.ranks if not r._reaped}
@@ -259,3 +311,11 @@ class RankGroup(StopSequence):
                 r.reap()
         if pids:
             self.strays += self.server.reaped(pids)
+
+
+def _dead(pid: int) -> bool:
+    """Whether the rank ``pid`` has ended (a zombie its server has not reaped, or gone)."""
+    try:
+        return not processes.alive(psutil.Process(pid))
+    except psutil.Error:
+        return True

@@ -22,7 +22,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-from nbaccel.core import shared_tensors
+from nbaccel.core import mp_internals, shared_tensors
 from nbaccel.core.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
@@ -36,9 +36,11 @@ from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.relay import Relay, load_payload, server_gone
+from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.ui import View, choose_view
 from nbaccel.ui.busy import BusyBeacon
+
+AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 
 
 class RunJob:
@@ -61,7 +63,8 @@ class RunJob:
         if rank.status == Status.FAILED:
             error = next(e for k, e in self.relay.failures if k == r.rank)
             error.exitcode = code
-        elif code == 0 and r.rank in self.relay.payloads:
+        elif r.rank in self.relay.payloads and (code == 0 or code == 255 and self._server_gone(r)):
+            # Its result arrived; a dead server (255) cannot say how it exited.
             rank.move(Status.FINISHED)
         elif self.group.was_stopped(r.rank, code):
             rank.move(Status.STOPPED)
@@ -78,9 +81,10 @@ class RunJob:
         """Whether the fork server ``r`` was forked from (current or retired) has died."""
         if self.group.start_method != "forkserver":
             return False
-        return server_gone(self.group.server.live.server_of(r.pid))
+        return mp_internals.server_gone(self.group.server.live.server_of(r.pid))
 
     def check(self) -> None:
+        self.group.notice_unreported()  # ranks ended under a fork server that hung
         if self.relay.failures or self.stopping.is_set():
             self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
         self.group.poll_stop()
@@ -266,9 +270,17 @@ class Launch:
             self._thread.join(timeout)
 
     def __await__(self) -> Generator[Any, None, Any]:
+        return self._ended().__await__()
+
+    async def _ended(self) -> Any:
         import asyncio
 
-        return asyncio.wrap_future(self._future).__await__()
+        # Polled rather than awaited through asyncio.wrap_future: ipykernel's Stop cancels an
+        # awaiting cell only once its event loop wakes up, which a wrapped future did only
+        # when the launch ended (Stop then did nothing for the whole run).
+        while not self._future.done():
+            await asyncio.sleep(AWAIT_POLL)
+        return self._future.result()
 
     @property
     def status(self) -> str:

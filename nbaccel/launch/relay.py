@@ -20,7 +20,7 @@ import warnings
 from types import FrameType
 from typing import Any
 
-from nbaccel.core import events, mp_internals
+from nbaccel.core import events
 from nbaccel.core.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_raise
@@ -264,15 +264,3 @@ def _caller() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("nbaccel."):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def server_gone(server: int | None, wait: float = 1.0) -> bool:
-    """Whether the fork server ``server`` (a rank's own: the current one or one retired while
-    its ranks ran) has died; its sockets close before it is a zombie, so its rank's end can
-    arrive first: give it ``wait`` seconds."""
-    deadline = time.monotonic() + wait
-    while server is not None and mp_internals.server_alive(server):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return server is not None
