@@ -295,7 +295,7 @@ class RankGroup(StopSequence):
         reported, and the launch would wait for it forever: once a second, note ranks that
         are dead but unreported; after ``_kill_wait`` s, see :meth:`_statuses_late`."""
         now = time.monotonic()
-        if now < self._next_look:
+        if self._kill_wait is None or now < self._next_look:
             return
         self._next_look = now + 1.0
         unreported = {r.pid for r in self.alive() if _dead(r.pid)}
