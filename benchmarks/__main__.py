@@ -1,15 +1,16 @@
 """``python -m benchmarks``: run the sections, write ``results/latest.{json,md}``, print the table.
 
 Options: ``--reps N`` interleaved repetitions (default 5), ``--smoke`` (one repetition, tiny
-step counts: checks the wiring, the numbers mean nothing), ``--only launch,steps,...``,
-``--world N`` ranks (default 2), ``--out DIR`` (default ``benchmarks/results``). With
-``--only``, the sections not run are kept from the results file already there (each section
-says when it was measured).
+step counts, the sections sharing their kernels: checks the wiring, the numbers mean nothing),
+``--only launch,steps,...``, ``--world N`` ranks (default 2), ``--out DIR`` (default
+``benchmarks/results``). With ``--only``, the sections not run are kept from the results file
+already there (each section says when it was measured).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -79,38 +80,43 @@ def main(argv: list[str] | None = None) -> int:
     }
     scratch = harness.Scratch()
     started = time.monotonic()
+    # A smoke run's sections share their kernels (see harness.shared_kernels).
+    sharing = harness.shared_kernels() if args.smoke else contextlib.nullcontext()
     try:
-        for name in args.only:
-            t0 = time.monotonic()
-            print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
-            if name == "launch":
-                results[name] = launch_time.run(args.reps, args.smoke, args.world, scratch)
-            elif name == "steps":
-                results[name] = step_rate.run(args.reps, args.smoke, args.world, scratch)
-            elif name == "iopub":
-                results[name] = iopub.run(args.reps, args.smoke, args.world, scratch)
-            elif name == "failure":
-                results[name] = failure_rss.run_failure(args.reps, args.smoke, args.world, scratch)
-            elif name == "rss":
-                results[name] = failure_rss.run_rss(args.smoke, args.world, scratch)
-            elif name == "gpu":
-                results[name] = gpu.run(args.reps, args.smoke)
-            elif name == "reporting":
-                results[name] = reporting_cost.run(args.reps, args.smoke)
-            elif name == "transfer":
-                results[name] = transfer.run(args.reps, args.smoke, args.world)
-            elif name == "scaling":
-                results[name] = scaling.run(args.reps, args.smoke, scratch)
-            elif name == "heavy":
-                results[name] = heavy_import.run(args.reps, args.smoke, args.world, scratch)
-            results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
-            results[name]["measured"] = {
-                "reps": args.reps,
-                **{
-                    k: results["machine"][k]
-                    for k in ("date", "git_commit", "load_average_at_start")
-                },
-            }
+        with sharing:
+            for name in args.only:
+                t0 = time.monotonic()
+                print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
+                if name == "launch":
+                    results[name] = launch_time.run(args.reps, args.smoke, args.world, scratch)
+                elif name == "steps":
+                    results[name] = step_rate.run(args.reps, args.smoke, args.world, scratch)
+                elif name == "iopub":
+                    results[name] = iopub.run(args.reps, args.smoke, args.world, scratch)
+                elif name == "failure":
+                    results[name] = failure_rss.run_failure(
+                        args.reps, args.smoke, args.world, scratch
+                    )
+                elif name == "rss":
+                    results[name] = failure_rss.run_rss(args.smoke, args.world, scratch)
+                elif name == "gpu":
+                    results[name] = gpu.run(args.reps, args.smoke)
+                elif name == "reporting":
+                    results[name] = reporting_cost.run(args.reps, args.smoke)
+                elif name == "transfer":
+                    results[name] = transfer.run(args.reps, args.smoke, args.world)
+                elif name == "scaling":
+                    results[name] = scaling.run(args.reps, args.smoke, scratch)
+                elif name == "heavy":
+                    results[name] = heavy_import.run(args.reps, args.smoke, args.world, scratch)
+                results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
+                results[name]["measured"] = {
+                    "reps": args.reps,
+                    **{
+                        k: results["machine"][k]
+                        for k in ("date", "git_commit", "load_average_at_start")
+                    },
+                }
     finally:
         scratch.close()
     results["total_seconds"] = round(time.monotonic() - started, 1)
