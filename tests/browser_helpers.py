@@ -9,7 +9,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -126,42 +125,9 @@ class JupyterLab:
         self._log_file.close()
         self.process = None
 
-    def kernel_ids(self) -> list[str]:
-        with urllib.request.urlopen(self.url("api/kernels"), timeout=10) as r:
-            return [k["id"] for k in json.load(r)]
-
-    def shut_down_kernels(self, timeout: float = 30) -> list[str]:
-        """Shut every kernel down as JupyterLab's "Shut Down Kernel" does; what of the server's
-        process tree (kernels, their fork servers and ranks) is still running ``timeout``
-        seconds later, killed and described (empty when all went)."""
-        for kernel in self.kernel_ids():
-            request = urllib.request.Request(self.url(f"api/kernels/{kernel}"), method="DELETE")
-            with urllib.request.urlopen(request, timeout=timeout):
-                pass
-        server = psutil.Process(self.process.pid)
-        deadline = time.monotonic() + timeout
-        while (left := _alive(server.children(recursive=True))) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        described = []
-        for p in left:
-            with contextlib.suppress(psutil.Error):
-                described.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
-                p.kill()
-        return described
-
-
-def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
-    alive = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            if p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-    return alive
-
 
 @contextlib.contextmanager
-def chromium() -> Iterator[Any]:
-    """Headless Chromium through Playwright; open pages with :func:`new_page`."""
+def chromium_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -170,53 +136,10 @@ def chromium() -> Iterator[Any]:
             args=CHROMIUM_ARGS,
         )
         try:
-            yield browser
+            page = browser.new_page(viewport={"width": width, "height": height})
+            yield page
         finally:
             browser.close()
-
-
-@contextlib.contextmanager
-def new_page(browser: Any, width: int = 1400, height: int = 1000) -> Iterator[Any]:
-    """A page in a context of its own (no cookies or storage shared with other pages)."""
-    page = browser.new_page(viewport={"width": width, "height": height})
-    try:
-        yield page
-    finally:
-        page.context.close()
-
-
-@contextlib.contextmanager
-def chromium_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
-    with chromium() as browser, new_page(browser, width, height) as page:
-        yield page
-
-
-class SharedLab:
-    """One JupyterLab server and one Chromium for the browser test modules, which run one
-    after the other: each costs seconds to start on two cores (about 14 s for both under a
-    load of 8). The server and Chromium's processes are exempt from the leftover check; each
-    test instead shuts its kernels down at its end and checks the server's tree is empty."""
-
-    def __init__(self, root: Path) -> None:
-        self.config_file = root / "nbaccel.yaml"  # a test may save a default config here
-        self.lab = JupyterLab(root, env={"NBACCEL_CONFIG_FILE": str(self.config_file)})
-        self._stack = contextlib.ExitStack()
-        self.exempt: set[int] = set()
-
-    def __enter__(self) -> SharedLab:
-        before = {p.pid for p in psutil.Process().children()}
-        try:
-            self._stack.enter_context(self.lab)
-            self.browser = self._stack.enter_context(chromium())
-        except BaseException:
-            self._stack.close()
-            raise
-        # the server, Playwright's driver (Chromium runs below it)
-        self.exempt = {p.pid for p in psutil.Process().children()} - before
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
 
 
 def screenshot(page: Any, name: str) -> Path:
@@ -244,8 +167,7 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
 def run_all_cells(page: Any, lab: JupyterLab, name: str) -> None:
     """Open notebook ``name`` in JupyterLab, wait for its kernel, and start running every cell
     (not awaited: the command's promise only settles once every cell has run)."""
-    # ?reset: a fresh workspace, without the notebooks an earlier test of the server opened
-    page.goto(lab.url(f"lab/tree/{name}?reset"))
+    page.goto(lab.url(f"lab/tree/{name}"))
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
     page.wait_for_function(
         "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"

@@ -73,34 +73,3 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
-
-
-_shared_lab = None  # tests.browser_helpers.SharedLab, while the browser tests run
-
-
-@pytest.fixture
-def lab_page(tmp_path_factory):
-    """``(shared, page)``: the browser tests' one JupyterLab and Chromium (``shared.lab``; its
-    root is ``shared.lab.root``), and a fresh page. At the end the test's kernels are shut down
-    and nothing may be left below the server."""
-    from tests import browser_helpers as bh
-
-    global _shared_lab
-    if _shared_lab is None:
-        shared = bh.SharedLab(tmp_path_factory.mktemp("jupyterlab"))
-        _shared_lab = shared.__enter__()
-        LONG_LIVED.update(shared.exempt)
-    with bh.new_page(_shared_lab.browser) as page:
-        yield _shared_lab, page
-    left = _shared_lab.lab.shut_down_kernels()
-    assert not left, f"still running 30 s after their kernels were shut down: {left}"
-
-
-@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """Stop the shared JupyterLab and Chromium once no test that uses them comes next."""
-    global _shared_lab
-    if _shared_lab is not None and "lab_page" not in getattr(nextitem, "fixturenames", ()):
-        shared, _shared_lab = _shared_lab, None
-        shared.__exit__(None, None, None)
-        LONG_LIVED.difference_update(shared.exempt)

@@ -34,29 +34,28 @@ def _last_line(page) -> int:
     return max(numbers, default=-1)
 
 
-def test_a_background_dashboard_updates_while_the_next_cell_runs(lab_page):
-    shared, page = lab_page
-    lab = shared.lab
-    bh.write_notebook(lab.root / "bg.ipynb", [SETUP, LAUNCH, BUSY, RESULT])
-    try:
-        page.set_default_timeout(90_000)
-        bh.run_all_cells(page, lab, "bg.ipynb")
-        busy_cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
-        busy_cell.locator(".jp-OutputArea-output:has-text('other cell')").wait_for()
-        page.wait_for_function(
-            "() => document.querySelector('.nbaccel-pane[data-rank=\"0\"]')"
-            " && document.querySelector('.nbaccel-pane[data-rank=\"0\"]')"
-            ".innerText.includes('line 3')"
-        )
-        seen = [_last_line(page)]
-        time.sleep(2)
-        seen.append(_last_line(page))
-        busy_output = busy_cell.locator(".jp-OutputArea").inner_text()
-        assert "other done" not in busy_output, "the next cell ended too soon"
-        assert seen[1] > seen[0] >= 0, f"the dashboard did not move: {seen}"
-        assert "line" not in busy_output
-        result = page.locator(".jp-Notebook .jp-Cell").nth(3)
-        result.locator(".jp-OutputArea-output:has-text('5')").wait_for(timeout=60_000)
-    except Exception:
-        bh.screenshot(page, "background-launch-failure")
-        raise
+def test_a_background_dashboard_updates_while_the_next_cell_runs(tmp_path):
+    bh.write_notebook(tmp_path / "bg.ipynb", [SETUP, LAUNCH, BUSY, RESULT])
+    with bh.JupyterLab(tmp_path) as lab, bh.chromium_page() as page:
+        try:
+            page.set_default_timeout(90_000)
+            bh.run_all_cells(page, lab, "bg.ipynb")
+            busy_cell = page.locator(".jp-Notebook .jp-Cell").nth(2)
+            busy_cell.locator(".jp-OutputArea-output:has-text('other cell')").wait_for()
+            page.wait_for_function(
+                "() => document.querySelector('.nbaccel-pane[data-rank=\"0\"]')"
+                " && document.querySelector('.nbaccel-pane[data-rank=\"0\"]')"
+                ".innerText.includes('line 3')"
+            )
+            seen = [_last_line(page)]
+            time.sleep(2)
+            seen.append(_last_line(page))
+            busy_output = busy_cell.locator(".jp-OutputArea").inner_text()
+            assert "other done" not in busy_output, "the next cell ended too soon"
+            assert seen[1] > seen[0] >= 0, f"the dashboard did not move: {seen}"
+            assert "line" not in busy_output
+            result = page.locator(".jp-Notebook .jp-Cell").nth(3)
+            result.locator(".jp-OutputArea-output:has-text('5')").wait_for(timeout=60_000)
+        except Exception:
+            bh.screenshot(page, "background-launch-failure")
+            raise

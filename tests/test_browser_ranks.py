@@ -29,39 +29,38 @@ def cell_output(page, index: int) -> str:
     return page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-OutputArea").inner_text()
 
 
-def test_a_ranks_session_reads_as_a_repl_in_jupyterlab(lab_page):
-    shared, page = lab_page
-    lab = shared.lab
-    bh.write_notebook(lab.root / "ranks.ipynb", CELLS)
-    try:
-        page.set_default_timeout(60_000)
-        bh.run_all_cells(page, lab, "ranks.ipynb")
-        page.wait_for_selector(f"{OUTPUT}:has-text('starting 2 ranks… ready')")
-        page.wait_for_selector(".nbaccel-live tr.nbaccel-rank[data-status='running']")
-        bh.screenshot(page, "ranks-cell-live")
-        page.wait_for_selector(f"{OUTPUT}:has-text('ValueError: only rank 1')")
+def test_a_ranks_session_reads_as_a_repl_in_jupyterlab(tmp_path):
+    bh.write_notebook(tmp_path / "ranks.ipynb", CELLS)
+    with bh.JupyterLab(tmp_path) as lab, bh.chromium_page() as page:
+        try:
+            page.set_default_timeout(60_000)
+            bh.run_all_cells(page, lab, "ranks.ipynb")
+            page.wait_for_selector(f"{OUTPUT}:has-text('starting 2 ranks… ready')")
+            page.wait_for_selector(".nbaccel-live tr.nbaccel-rank[data-status='running']")
+            bh.screenshot(page, "ranks-cell-live")
+            page.wait_for_selector(f"{OUTPUT}:has-text('ValueError: only rank 1')")
 
-        first = cell_output(page, 1)
-        assert "[rank0] x is tensor([1., 1.])" in first and "[rank1] Out: tensor(4.)" in first
-        only = cell_output(page, 2)
-        assert only.strip() == "[rank1] only rank 1", only
-        assert page.locator(".nbaccel-header").count() == 0  # no launch header anywhere
-        assert page.locator(".jp-Notebook .jp-Cell").nth(1).locator("table").count() == 0
+            first = cell_output(page, 1)
+            assert "[rank0] x is tensor([1., 1.])" in first and "[rank1] Out: tensor(4.)" in first
+            only = cell_output(page, 2)
+            assert only.strip() == "[rank1] only rank 1", only
+            assert page.locator(".nbaccel-header").count() == 0  # no launch header anywhere
+            assert page.locator(".jp-Notebook .jp-Cell").nth(1).locator("table").count() == 0
 
-        # The progress cell: its table and the lines around it.
-        progress = page.locator(".jp-Notebook .jp-Cell").nth(3)
-        rows = progress.locator(".nbaccel-summary tr.nbaccel-rank")
-        assert rows.count() == 2
-        for i in range(2):
-            assert rows.nth(i).get_attribute("data-status") == "finished"
-            assert "150/150" in rows.nth(i).inner_text()
-        text = cell_output(page, 3)
-        assert "[rank0] ranks cell done" in text and "[rank0] Out: 0" in text
+            # The progress cell: its table and the lines around it.
+            progress = page.locator(".jp-Notebook .jp-Cell").nth(3)
+            rows = progress.locator(".nbaccel-summary tr.nbaccel-rank")
+            assert rows.count() == 2
+            for i in range(2):
+                assert rows.nth(i).get_attribute("data-status") == "finished"
+                assert "150/150" in rows.nth(i).inner_text()
+            text = cell_output(page, 3)
+            assert "[rank0] ranks cell done" in text and "[rank0] Out: 0" in text
 
-        error = cell_output(page, 4)
-        assert "Cell In[5], line 3" in error and "raise ValueError('only rank 1')" in error
-        assert "run_cell_magic" not in error and "<rank cell" not in error
-        bh.screenshot(page, "ranks-session")
-    except Exception:
-        bh.screenshot(page, "failure")
-        raise
+            error = cell_output(page, 4)
+            assert "Cell In[5], line 3" in error and "raise ValueError('only rank 1')" in error
+            assert "run_cell_magic" not in error and "<rank cell" not in error
+            bh.screenshot(page, "ranks-session")
+        except Exception:
+            bh.screenshot(page, "failure")
+            raise
