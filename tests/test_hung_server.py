@@ -8,6 +8,7 @@ the server is stopped, and the next launch gets a fresh one. Checked by pid.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -107,7 +108,8 @@ def test_a_server_that_hangs_or_dies_under_a_launch_never_traps_it(monkeypatch):
         time.sleep(1.0)  # the ranks end meanwhile; their server cannot report it
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(20)  # the launch should have ended long before: free a broken one
-        os.kill(hung, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # the launch stopped it, as it should
+            os.kill(hung, signal.SIGCONT)
 
     threading.Thread(target=hang_then_interrupt, daemon=True).start()
     started = time.monotonic()
@@ -138,7 +140,8 @@ def test_ranks_that_end_under_a_hung_server_end_their_launch(monkeypatch):
             time.sleep(0.02)
         os.kill(hung, signal.SIGSTOP)
         time.sleep(20)  # the launch should have ended long before: free a broken one
-        os.kill(hung, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # the launch stopped it, as it should
+            os.kill(hung, signal.SIGCONT)
 
     threading.Thread(target=hang, daemon=True).start()
     started = time.monotonic()
