@@ -94,7 +94,6 @@ class Ranks:
         self.broken: str | None = None
         self._plan: LaunchPlan | None = None
         self._life: RankLifecycle | None = None  # the ranks' start and teardown
-        self._relay: Relay | None = None
         self._connections: dict[int, Connection] = {}
         self._devices: dict[int, tuple[str, int | None]] = {}
         self._cell = 0
@@ -103,6 +102,11 @@ class Ranks:
             self.start()
 
     # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def _relay(self) -> Relay | None:
+        """The relay reading the ranks, once they have started."""
+        return self._life.relay if self._life is not None else None
 
     @property
     def started(self) -> bool:
@@ -144,8 +148,8 @@ class Ranks:
             # replaces this text view from the first cell on).
             self._life = RankLifecycle(self._plan, CellTextView(), xla_threads=False)
             with BusyBeacon():  # it may wait for a warming fork server
-                self._relay = self._life.start()
-            self._connections = accept_ranks(server, self._relay)
+                relay = self._life.start()
+            self._connections = accept_ranks(server, relay)
             self._set_up()
         except KeyboardInterrupt:
             # Whatever phase it hit (a cell-interrupt message says the ranks live on), the
@@ -205,7 +209,7 @@ class Ranks:
                 conn.close()
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
-        self._life, self._relay, self._connections, self._tmpdir = None, None, {}, None
+        self._life, self._connections, self._tmpdir = None, {}, None
 
     def __enter__(self) -> Ranks:
         if not self.started:
