@@ -267,14 +267,12 @@ class RankGroup(StopSequence):
         alive = self.alive()
         for r in alive:
             try:
-                process = psutil.Process(r.pid)
-                running = process.status() != psutil.STATUS_ZOMBIE
-                children = process.children(recursive=True)
+                children = psutil.Process(r.pid).children(recursive=True)
             except psutil.Error:
-                running, children = False, []
+                children = []
             # A rank already dead, whose exit the server has not reported yet, was not ended by
             # this stop (rank 0 SIGKILLed while rank 1's "Connection reset" arrives first).
-            if running:
+            if not _dead(r.pid):
                 self._stop_signals.setdefault(r.rank, set()).add(sig)
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
