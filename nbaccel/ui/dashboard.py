@@ -120,8 +120,10 @@ class Dashboard:
         dropped = {r: buf.dropped for r, buf in self._outputs.items()}
         title = self._title(self._state) if self._title is not None else None
         bundle = {
-            "text/plain": summary_text(self._state, outputs, title, dropped),
-            "text/html": summary_html(self._state, outputs, True, title, dropped),
+            "text/plain": summary_text(self._state, outputs, title, dropped=dropped),
+            "text/html": summary_html(
+                self._state, outputs, charts=True, title=title, dropped=dropped
+            ),
         }
         if self._handle is not None:
             self._handle.update(bundle, raw=True)

@@ -310,18 +310,18 @@ def _all_in(state: LaunchState, rank: int, dropped: int) -> str:
     return f" (the first {dropped:,} are not kept here{where})"
 
 
-def output_html(rank: int, lines: list[str], label: str, dropped: str = "") -> str:
+def output_html(rank: int, lines: list[str], label: str, not_kept: str = "") -> str:
     """A finished rank's output as the cell keeps it: its last ``SHOWN_LINES`` lines in view,
     labelled as the text view labels them (``[rank0] …``), the earlier ones folded above them
     (a ``<details>`` that opens in place, so a saved notebook keeps every line it kept).
-    ``dropped``: what was printed before ``lines`` and not kept (see ``_all_in``)."""
+    ``not_kept``: a note of what was printed before ``lines`` and not kept (``_all_in``)."""
     labelled = [html.escape(f"{label}{line}") for line in lines]
     earlier, shown = labelled[:-SHOWN_LINES], labelled[-SHOWN_LINES:]
     fold = ""
     if earlier:
         fold = (
             f"<details><summary style='cursor:pointer;color:#57606a'>rank {rank}: show the "
-            f"{plural(len(earlier), 'earlier line')}{html.escape(dropped)}</summary>"
+            f"{plural(len(earlier), 'earlier line')}{html.escape(not_kept)}</summary>"
             f"<pre style='{PRE};max-height:30em;overflow:auto'>{chr(10).join(earlier)}</pre>"
             "</details>"
         )
