@@ -24,9 +24,9 @@ import uuid
 import weakref
 from typing import Any
 
-# This process, as a pickle can tell it from another one: a fork keeps the module's token but
-# not its pid, and a later process that gets the same pid has another token.
-_PROCESS = (os.getpid(), uuid.uuid4().hex)
+# With the pid, this process as a pickle can tell it from another one: a fork keeps the
+# module's token but not its pid, and a later process that gets the same pid has another token.
+_TOKEN = uuid.uuid4().hex
 _LIVE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
@@ -44,15 +44,16 @@ def reduce_to_reference(accelerator: Any) -> tuple[Any, tuple[Any, ...]]:
         vars(accelerator)["_nbaccel_pickle_key"] = key
     _LIVE[key] = accelerator
     where = (accelerator.process_index, accelerator.num_processes)
-    return _restore, ((os.getpid(), _PROCESS[1]), key, where)
+    return _restore, (_this_process(), key, where)
 
 
 def _restore(process: tuple[int, str], key: int, where: tuple[int, int]) -> Any:
-    accelerator = _LIVE.get(key) if process == (os.getpid(), _PROCESS[1]) else None
+    here = process == _this_process()
+    accelerator = _LIVE.get(key) if here else None
     if accelerator is not None:
         return accelerator
     rank, world = where
-    if process == (os.getpid(), _PROCESS[1]):
+    if here:
         problem = "it no longer exists in this process"
     else:
         problem = (
@@ -64,6 +65,10 @@ def _restore(process: tuple[int, str], key: int, where: tuple[int, int]) -> Any:
         "Create `Accelerator()` in this process (in each rank, inside the training function) "
         "instead of sending one."
     )
+
+
+def _this_process() -> tuple[int, str]:
+    return os.getpid(), _TOKEN
 
 
 def sending_error(accelerator: Any) -> TypeError:
