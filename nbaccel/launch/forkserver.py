@@ -206,15 +206,76 @@ class ForkServer:
     def start_answered(
         self, start: Callable[[], T], interrupted: list[bool], late: Callable[[T], None]
     ) -> T:
-        """Run ``start`` (one rank start through this server) so that a server that does not
-        answer cannot trap the kernel; see :func:`_start_answered`.
+        """Run ``start`` (one rank start through the fork server) in a thread of its own and
+        return what it returns, so that the kernel is never stuck in a read from a server that
+        does not answer.
+
+        A start unanswered for :data:`ANSWER_DEADLINE` s (or 2 s after Ctrl-C, once
+        ``interrupted`` holds something) is given up: the server process is retired
+        (:meth:`retire_unanswering`: the next launch gets a fresh one, and the ranks of other
+        launches or a ``%ranks`` session keep theirs), and ``LaunchError``
+        (``KeyboardInterrupt`` after Ctrl-C) says so. Should the server answer after all,
+        ``late`` gets what the start made, to stop it: nothing else of what runs is touched.
 
         Example::
 
             with sigint_deferred() as interrupted:
                 rank = SERVER.start_answered(lambda: start_one(spec), interrupted, stop_late)
         """
-        return _start_answered(self, start, interrupted, late)
+        lock, done = threading.Lock(), threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["value"] = start()
+            except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+                outcome["error"] = exc
+            with lock:
+                done.set()
+                given_up = "given up" in outcome
+            if given_up and "value" in outcome:
+                late(outcome["value"])
+
+        context = contextvars.copy_context()  # its output, if any, is the launching cell's
+        thread = threading.Thread(target=context.run, args=(run,), name="nbaccel-rank-start")
+        thread.daemon = True
+        thread.start()
+        began, interrupted_at = time.monotonic(), None
+        while not done.wait(0.05):
+            now = time.monotonic()
+            if interrupted and interrupted_at is None:
+                interrupted_at = now
+            if (
+                interrupted_at is not None
+                and now - interrupted_at > ANSWER_DEADLINE_AFTER_INTERRUPT
+            ):
+                waited = f"{ANSWER_DEADLINE_AFTER_INTERRUPT:g} s after Ctrl-C"
+            elif now - began > ANSWER_DEADLINE:
+                waited = f"{ANSWER_DEADLINE:g} s"
+            else:
+                continue
+            with lock:
+                if done.is_set():  # it answered just now
+                    break
+                outcome["given up"] = True
+            pid = mp_internals.forkserver_pid()
+            serving = self.retire_unanswering(pid) if pid is not None else 0
+            reason = (
+                f"the fork server (pid {pid}) did not answer a rank start within {waited}, so "
+                + (
+                    f"it was set aside: it goes on serving the {serving} ranks already running "
+                    "from it (a background launch's or a %ranks session's) until they end"
+                    if serving
+                    else "it was stopped"
+                )
+                + "; the next launch starts a fresh one"
+            )
+            if interrupted:
+                raise KeyboardInterrupt(f"launch interrupted: {reason}")
+            raise LaunchError(f"the launch could not start its ranks: {reason}.")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def _launch_preloads(self) -> tuple[str, ...]:
         return tuple(m for m in self.modules if m not in SERVER_PRELOAD + SERVER_LAST)
@@ -297,72 +358,3 @@ def _discard(path: str | None) -> None:
 # long after Ctrl-C, means the server no longer answers.
 ANSWER_DEADLINE = 30.0
 ANSWER_DEADLINE_AFTER_INTERRUPT = 2.0
-
-
-def _start_answered(
-    server: ForkServer, start: Callable[[], T], interrupted: list[bool], late: Callable[[T], None]
-) -> T:
-    """Run ``start`` (one rank start through the fork server) in a thread of its own and
-    return what it returns, so that the kernel is never stuck in a read from a server that
-    does not answer.
-
-    A start unanswered for :data:`ANSWER_DEADLINE` s (or 2 s after Ctrl-C, once ``interrupted``
-    holds something) is given up: ``server`` retires its process
-    (:meth:`ForkServer.retire_unanswering`: the next launch gets a fresh one, and the ranks of
-    other launches or a ``%ranks`` session keep theirs), and ``LaunchError``
-    (``KeyboardInterrupt`` after Ctrl-C) says so. Should the server answer after all, ``late``
-    gets what the start made, to stop it: nothing else of what runs is touched.
-
-    Reached as :meth:`ForkServer.start_answered`.
-    """
-    lock, done = threading.Lock(), threading.Event()
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = start()
-        except BaseException as exc:  # noqa: BLE001 - the caller's to raise
-            outcome["error"] = exc
-        with lock:
-            done.set()
-            given_up = "given up" in outcome
-        if given_up and "value" in outcome:
-            late(outcome["value"])
-
-    context = contextvars.copy_context()  # its output, if any, is the launching cell's
-    thread = threading.Thread(target=context.run, args=(run,), name="nbaccel-rank-start")
-    thread.daemon = True
-    thread.start()
-    began, interrupted_at = time.monotonic(), None
-    while not done.wait(0.05):
-        now = time.monotonic()
-        if interrupted and interrupted_at is None:
-            interrupted_at = now
-        if interrupted_at is not None and now - interrupted_at > ANSWER_DEADLINE_AFTER_INTERRUPT:
-            waited = f"{ANSWER_DEADLINE_AFTER_INTERRUPT:g} s after Ctrl-C"
-        elif now - began > ANSWER_DEADLINE:
-            waited = f"{ANSWER_DEADLINE:g} s"
-        else:
-            continue
-        with lock:
-            if done.is_set():  # it answered just now
-                break
-            outcome["given up"] = True
-        pid = mp_internals.forkserver_pid()
-        serving = server.retire_unanswering(pid) if pid is not None else 0
-        reason = (
-            f"the fork server (pid {pid}) did not answer a rank start within {waited}, so "
-            + (
-                f"it was set aside: it goes on serving the {serving} ranks already running "
-                "from it (a background launch's or a %ranks session's) until they end"
-                if serving
-                else "it was stopped"
-            )
-            + "; the next launch starts a fresh one"
-        )
-        if interrupted:
-            raise KeyboardInterrupt(f"launch interrupted: {reason}")
-        raise LaunchError(f"the launch could not start its ranks: {reason}.")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
