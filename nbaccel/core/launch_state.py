@@ -321,6 +321,11 @@ class LaunchState:
     longest_stall: float = 0.0  # the longest stall seen so far, in seconds (for the summary)
     log_folder: str | None = None  # where every rank's full output is (made at its first byte)
     log_problem: str = ""  # why some output is not in the log files ("" when all of it is)
+    # What the launch is waiting for before its ranks run, in words for the views' header
+    # (e.g. "fork server: importing torch._dynamo"), and since when (monotonic); None once the
+    # ranks are starting. Set by whoever waits, read by the views.
+    waiting_for: str | None = None
+    waiting_since: float | None = None
 
     @property
     def elapsed(self) -> float:
