@@ -121,6 +121,21 @@ def test_the_readme_names_no_file_outside_the_repository():
 
 
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
+def test_a_block_that_starts_ranks_can_be_pasted_alone(path):
+    # nbaccel's line magics exist only after `import nbaccel`: a `%ranks start` block pasted
+    # into a fresh kernel without it fails with "Line magic function `%ranks` not found".
+    for block in code_blocks(path):
+        lines = [line.strip() for line in block.code.splitlines()]
+        if block.lang != "python" or not any(line.startswith("%ranks start") for line in lines):
+            continue
+        first_magic = next(n for n, line in enumerate(lines) if line.startswith("%ranks"))
+        imported = any(
+            re.match(r"(import nbaccel\b|from nbaccel\b)", line) for line in lines[:first_magic]
+        )
+        assert imported, f"{path.name}, the block at line {block.line}: add `import nbaccel`"
+
+
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
 def test_links_stay_inside_the_repository_and_resolve(path):
     for target in markdown_links(path):
         assert "://" not in target, f"{path.name} links outside the repository: {target}"
