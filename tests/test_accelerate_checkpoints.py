@@ -232,3 +232,43 @@ def test_folders_of_nbaccels_earlier_layout_still_load(tmp_path):
         state = copy.deepcopy(again[3].state_dict())
         resumed.append([again[2].weight.detach().clone(), state, torch.rand(3)])
     assert _same(resumed[0], resumed[1])
+
+
+def saved_models(lib: str, folder: str) -> None:
+    """save_model of a model with tied weights: whole, sharded, and as .bin."""
+    import importlib
+
+    module = importlib.import_module(lib)
+    acc = module.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as a language model's head
+    model = acc.prepare(model)
+    acc.save_model(model, f"{folder}/whole")
+    acc.save_model(model, f"{folder}/sharded", max_shard_size=100)
+    acc.save_model(model, f"{folder}/bin", safe_serialization=False)
+
+
+@pytest.mark.slow  # real launches, both libraries
+def test_save_model_writes_accelerates_files(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    for lib in ("nbaccel", "accelerate"):
+        nbaccel.notebook_launcher(
+            saved_models, args=(lib, str(tmp_path / lib)), num_processes=1, progress=False
+        )
+    for kind in ("whole", "sharded", "bin"):
+        ours, theirs = tmp_path / "nbaccel" / kind, tmp_path / "accelerate" / kind
+        names = sorted(p.name for p in theirs.iterdir())
+        assert sorted(p.name for p in ours.iterdir()) == names, kind
+        for name in names:  # the same tensors under the same names (a tied one stored once)
+            if name.endswith(".json"):
+                read = json.loads
+                same = read((ours / name).read_text()) == read((theirs / name).read_text())
+            elif name.endswith(".safetensors"):
+                same = _same(load_file(ours / name), load_file(theirs / name))
+            else:
+                same = _same(torch.load(ours / name), torch.load(theirs / name))
+            assert same, (kind, name)
