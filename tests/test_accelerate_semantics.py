@@ -184,3 +184,84 @@ def test_prepared_loader_attributes_are_accelerates(lib):
             "remainder": 0,
             "uneven_remainder": 2,  # 18 samples in steps of 8: the last step has 2
         }
+
+
+def device_and_reduce(lib: str) -> dict:
+    """What a launched process prints for its device, and reduce with a scale (which
+    Accelerate applies on XLA devices only)."""
+    import warnings
+
+    acc = _accelerator(lib)
+    t = torch.tensor([1.0, 2.0]) * (acc.process_index + 1)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        scaled = acc.reduce(t, "sum", scale=2.0).tolist()
+    return {"device": repr(acc.device), "scaled": scaled}
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_device_and_reduce_scale_are_accelerates(processes):
+    outs = {
+        lib: nbaccel.notebook_launcher(
+            device_and_reduce,
+            args=(lib,),
+            num_processes=processes,
+            progress=False,
+            return_all=True,
+            env={"ACCELERATE_USE_CPU": "true"} if lib == "accelerate" else {},
+        )
+        for lib in LIBS
+    }
+    assert outs["nbaccel"] == outs["accelerate"]
+    assert outs["nbaccel"][0]["device"] == "device(type='cpu', index=0)"  # launched: cpu:0
+
+
+def test_a_plain_process_is_on_cpu_as_with_accelerate():
+    import subprocess
+    import sys
+
+    script = (
+        "import importlib, sys; lib = importlib.import_module(sys.argv[1]); "
+        "print(repr(lib.Accelerator(cpu=True).device))"
+    )
+    printed = {
+        lib: subprocess.run(
+            [sys.executable, "-c", script, lib], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for lib in LIBS
+    }
+    assert printed["nbaccel"] == printed["accelerate"] == "device(type='cpu')"
+
+
+def test_reduce_says_when_it_ignores_scale():
+    with pytest.warns(UserWarning, match=r"reduce\(scale=2.0\) is ignored.*XLA devices only"):
+        out = nbaccel.Accelerator(cpu=True).reduce(torch.tensor([1.0, 2.0]), scale=2.0)
+    assert out.tolist() == [1.0, 2.0]
+
+
+def process_group_options(lib: str, rendezvous: str) -> tuple:
+    """InitProcessGroupKwargs with an init_method and a backend: both reach the process group."""
+    import importlib
+    import os
+
+    import torch.distributed as dist
+
+    utils = importlib.import_module(f"{lib}.utils")
+    options = utils.InitProcessGroupKwargs(backend="gloo", init_method=f"file://{rendezvous}")
+    acc = _accelerator(lib, kwargs_handlers=[options])
+    return dist.get_backend(), os.path.exists(rendezvous), acc.reduce(torch.tensor(1.0)).item()
+
+
+def test_init_process_group_kwargs_reach_the_process_group(tmp_path):
+    outs = {
+        lib: nbaccel.notebook_launcher(
+            process_group_options,
+            args=(lib, str(tmp_path / f"{lib}-rendezvous")),
+            num_processes=2,
+            progress=False,
+            return_all=True,
+            env={"ACCELERATE_USE_CPU": "true"} if lib == "accelerate" else {},
+        )
+        for lib in LIBS
+    }
+    assert outs["nbaccel"] == outs["accelerate"] == [("gloo", True, 2.0)] * 2

@@ -58,8 +58,8 @@ def test_resume_from_save_state_is_bit_for_bit(tmp_path):
     full = run(train_resumable, args=(ckpt, 10), num_processes=2, progress=False)
     assert run(train_resumable, args=(ckpt, 10, 5), num_processes=2, progress=False) is None
     assert sorted(os.listdir(ckpt)) == sorted(
-        ["model_0.pt", "optimizer_0.pt", "scheduler_0.pt", "dataloader_0.pt", "accelerator.pt"]
-        + ["random_states_0.pt", "random_states_1.pt"]
+        ["model.safetensors", "optimizer.bin", "scheduler.bin", "dataloader_0.pt"]
+        + ["random_states_0.pkl", "random_states_1.pkl"]
     )
     resumed = run(train_resumable, args=(ckpt, 10, None, 5), num_processes=2, progress=False)
     for key in full:

@@ -25,7 +25,9 @@ def shard_report(n: int, batch_size: int, shuffle: bool) -> dict:
     for _ in range(2):
         seen, metrics = [], []
         for (idx,) in dl:
-            assert idx.device == acc.device
+            # On the device (a launched CPU process's is Accelerate's `cpu:0`; a CPU tensor's
+            # device has no index, so the kinds are compared).
+            assert idx.device.type == acc.device.type
             seen += idx.tolist()
             metrics.append(acc.gather_for_metrics(idx))
         epochs.append({"seen": seen, "metrics": torch.cat(metrics).tolist()})

@@ -31,4 +31,4 @@ def test_load_state_with_more_processes_warns_and_continues(tmp_path):
     )
     assert w0 == w1 == pytest.approx(3.0)  # the weights came back on every rank
     assert not any("random_states" in m for m in warned0)
-    assert any("random_states_1.pt is missing" in m and "not restored" in m for m in warned1)
+    assert any("random_states_1.pkl is missing" in m and "not restored" in m for m in warned1)

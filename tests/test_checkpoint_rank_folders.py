@@ -24,10 +24,10 @@ def test_each_rank_resumes_from_its_own_folder(tmp_path):
     run = nbaccel.notebook_launcher
     full = run(train_resumable, args=(str(tmp_path / "one"), 10), num_processes=2, progress=False)
     assert run(in_own_folder, args=(str(tmp_path), 10, 5), num_processes=2, progress=False) is None
-    shared = ["model_0.pt", "optimizer_0.pt", "scheduler_0.pt", "dataloader_0.pt"]
+    shared = ["model.safetensors", "optimizer.bin", "scheduler.bin", "dataloader_0.pt"]
     for rank in (0, 1):
         files = sorted(os.listdir(tmp_path / f"rank{rank}"))
-        assert files == sorted([*shared, "accelerator.pt", f"random_states_{rank}.pt"])
+        assert files == sorted([*shared, f"random_states_{rank}.pkl"])
     assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]  # no staging folder left
     resumed = run(in_own_folder, args=(str(tmp_path), 10, None, 5), num_processes=2)
     for key in full:

@@ -88,7 +88,7 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("how", EXPECTED)
-@pytest.mark.parametrize("name", ["model_0.pt", "custom_0.pt"])
+@pytest.mark.parametrize("name", ["optimizer.bin", "custom_checkpoint_0.pkl"])
 def test_load_state_of_a_damaged_file_names_it_and_says_what_it_holds(tmp_path, how, name):
     acc, _ = build(1.0)
     acc.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(acc._optimizers[0], 1))

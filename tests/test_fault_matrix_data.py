@@ -107,7 +107,7 @@ def run_killed_save(kernel, d: str, ckpt: str) -> None:
 
 
 def run_corrupt_file(kernel, d: str, ckpt: str) -> None:
-    model = Path(ckpt) / "model_0.pt"
+    model = Path(ckpt) / "optimizer.bin"
     model.write_bytes(model.read_bytes()[:1000])  # an interrupted copy
     launch(
         kernel,

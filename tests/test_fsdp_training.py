@@ -299,7 +299,7 @@ def test_state_dicts_round_trip_and_resume_bitwise(checkpoints, kind):
     assert r["resumed"] == r["after"]
     _same(r["resumed_final"], r["final"])
     if kind == "FULL_STATE_DICT":
-        assert "model_0.pt" in r["files"] and "optimizer_0.pt" in r["files"]
+        assert "model.safetensors" in r["files"] and "optimizer.bin" in r["files"]
     else:  # one torch.distributed.checkpoint folder per object, a shard file per rank
         for name in ("model_0", "optimizer_0"):
             assert {f"{name}/.metadata", f"{name}/__0_0.distcp", f"{name}/__1_0.distcp"} <= set(
@@ -431,7 +431,7 @@ def test_settings_from_nbaccel_launch_config_and_plain_torchrun(tmp_path):
     proc = run_torchrun(script, str(tmp_path / "torchrun" / "ckpt"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "torchrun" / "rank1.json").read_text())
-    assert out["units"] == [""] and out["bitwise"] and "model_0.pt" in out["files"]
+    assert out["units"] == [""] and out["bitwise"] and "model.safetensors" in out["files"]
 
 
 def _plugin_seen_by_the_rank() -> tuple[str, bool, str, str]:

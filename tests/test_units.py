@@ -337,24 +337,6 @@ def test_nbaccel_launch_hands_its_precision_to_accelerate(monkeypatch):
     assert os.environ["ACCELERATE_MIXED_PRECISION"] == "bf16"
 
 
-# -- the data plan: each rank's batches of one epoch --------------------------------------
-
-
-def test_epoch_plan_shards_disjointly_and_evens_out_the_last_step():
-    from nbaccel.training.data import _plan_epoch
-
-    order = list(range(10))
-    plans = [_plan_epoch(order, 3, 2, rank, drop_last=False, even=True) for rank in range(2)]
-    assert plans[0].batches[0] == [0, 1, 2] and plans[1].batches[0] == [3, 4, 5]
-    # 4 samples left for 2 ranks: 2 each, nothing borrowed, so nothing to drop later.
-    assert [p.batches[-1] for p in plans] == [[6, 7], [8, 9]] and plans[0].remainder is None
-    odd = [_plan_epoch(list(range(9)), 3, 2, rank, False, True) for rank in range(2)]
-    # 3 left: ranks get 2 each, one sample borrowed from the epoch's start and marked.
-    assert [p.batches[-1] for p in odd] == [[6, 7], [8, 0]] and odd[0].remainder == 3
-    dropped = _plan_epoch(list(range(9)), 3, 2, 0, drop_last=True, even=True)
-    assert dropped.batches == [[0, 1, 2]]
-
-
 def test_atomic_write_keeps_symlinks_and_permissions(tmp_path):
     import os
     import stat

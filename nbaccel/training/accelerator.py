@@ -44,6 +44,7 @@ from nbaccel.training.precision import select_precision
 from nbaccel.training.process import DistributedType, detect_state
 from nbaccel.training.registry import PreparedObjects, Registry
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
+from nbaccel.training.strategies.prepared import PREPARED_MARK
 from nbaccel.training.trackers import GeneralTracker, Tracking
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 # A tracker for ``log_with``: a name ("tensorboard", "all"), a LoggerType, or a tracker object.
 TrackerChoice = str | LoggerType | GeneralTracker
 
-_PREPARED = "_nbaccel_prepared"
+_PREPARED = PREPARED_MARK
 _UNSET: Any = object()  # "not given", so dataloader_config can supply split_batches
 
 

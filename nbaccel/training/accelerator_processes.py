@@ -112,7 +112,7 @@ class ProcessControl(ProcessFacts):
         as_objects = use_gather_object or not tensors
         gathered = ops.gather_object(input_data) if as_objects else ops.gather(input_data)
         keep = self._gs.remainder if self._gs.at_loader_end else None
-        if keep is None:
+        if keep is None or keep <= 0:  # not the last step, or nothing padded (Accelerate's -1, 0)
             return gathered
         if as_objects:
             return gathered[:keep]

@@ -174,7 +174,7 @@ class Saving(AcceleratorParts):
         else:
             target = self._checkpoint_dir(output_dir)
         hooks = list(self._save_model_state_pre_hook.values())
-        path = checkpoint.save_state(self, target, hooks)
+        path = checkpoint.save_state(self, target, hooks, safe_serialization)
         if config.automatic_checkpoint_naming:
             config.iteration += 1
         return str(path)

@@ -27,7 +27,9 @@ class GradientState:
     sync_gradients: bool = True
     micro_step: int = 0  # micro-steps taken inside accumulate(), counted from the start
     at_loader_end: bool = False  # the active dataloader is yielding its last batch
-    remainder: int | None = None  # real samples in that last batch over all ranks, if padded
+    # What gather_for_metrics keeps of that last step's gather (Accelerate's remainder; None,
+    # 0 or -1: all of it).
+    remainder: int | None = None
     optimizer_step_was_skipped: bool = False
     sync_each_batch: bool = False  # all-reduce every backward, step every accumulation_steps
     iterating: list[Any] = dataclasses.field(default_factory=list)  # loaders, outermost first

@@ -5,23 +5,30 @@ truncated file where a good one was. ``save_state`` fills a staging folder and s
 the previous checkpoint stays whole until the new one is complete; ``load_state`` falls back to
 it when a crash hit between the two renames. Everything is read with ``weights_only=True``.
 
+The files inside are Accelerate's (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``,
+``scaler.pt``, ``random_states_<rank>.pkl``, ``custom_checkpoint_<i>.pkl``, a ``_<i>`` before
+the suffix for the second object on), with the same contents, so a folder moves between the two
+libraries either way. nbaccel adds ``dataloader_<i>.pt``, where each loader is in its epoch
+(Accelerate keeps no such file; it ignores it, and a folder without it starts the loaders
+where they are, as Accelerate does). Sharded (FSDP) and engine (DeepSpeed) checkpoints are
+folders ``model_<i>``/``optimizer_<i>``. Folders in nbaccel's earlier layout (``model_0.pt``,
+``random_states_0.pt``, ...) still load.
+
 The Accelerator's save/load-state pre-hooks run here, inside that swap, on Accelerate's terms:
 a save hook gets ``(models, weights, folder)`` with the user's modules (no DDP or torch.compile
-wrapper), the state dicts about to be written as ``model_<i>.pt`` and the staging folder, so what
+wrapper), the state dicts about to be written as ``model.safetensors`` and the staging folder, so what
 it writes there is part of the checkpoint; what it pops from ``weights`` is not written. A load
 hook gets ``(models, folder)``; what it pops from ``models`` nbaccel does not load. Both lists
 are the hooks' own copies: the prepared models stay as they were.
 
->>> import torch, tempfile, os
->>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
->>> atomic_save({"w": torch.ones(2)}, path)
->>> torch.load(path, weights_only=True)["w"]
-tensor([1., 1.])
+>>> model_file(0, safe=True), model_file(1, safe=False), numbered("scheduler", 0, ".bin")
+('model.safetensors', 'pytorch_model_1.bin', 'scheduler.bin')
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterable
@@ -30,48 +37,64 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbaccel.core.atomic import atomic_write
 from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space, swap_failed
-from nbaccel.training import ops
-from nbaccel.training.file_reading import torch_load
-from nbaccel.training.random import capture_rng_state, restore_rng_state
+from nbaccel.training import model_files, ops
+from nbaccel.training.file_reading import torch_load, torch_load_with_numpy
+from nbaccel.training.random import (
+    capture_rng_state,
+    restore_rng_state,
+    restore_rng_states_file,
+    rng_states_file,
+)
 from nbaccel.training.registry import PreparedObjects
 from nbaccel.training.strategies.base import Strategy, state_file
+from nbaccel.training.torch_files import atomic_save
 
 if TYPE_CHECKING:  # the Accelerator, as its saving mixin hands itself over
     from nbaccel.training.accelerator_parts import AcceleratorParts
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, then rename over ``path``.
+# -- the files of a checkpoint folder: Accelerate's names --------------------------------
 
-    Example::
 
-        atomic_save(model.state_dict(), "ckpt/model.pt")
+def numbered(stem: str, index: int, suffix: str) -> str:
+    """Accelerate's name for the ``index``-th object of a kind: ``optimizer.bin``,
+    ``optimizer_1.bin``, ...
+
+    >>> numbered("optimizer", 0, ".bin"), numbered("model", 2, ".safetensors")
+    ('optimizer.bin', 'model_2.safetensors')
     """
-    with atomic_write(path, "wb", size_hint=tensor_bytes(obj)) as f:
-        torch.save(obj, f)
+    return f"{stem}{'' if index == 0 else f'_{index}'}{suffix}"
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensor storages in ``obj`` (nested dicts, lists, tuples), each counted once:
-    about what ``torch.save`` writes."""
-    storages: dict[Any, int] = {}
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            try:
-                storage = item.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse, nested: not one storage
-                continue
-            key = (item.device, storage.data_ptr()) if storage.data_ptr() else id(storage)
-            storages[key] = storage.nbytes()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return sum(storages.values())
+def model_file(index: int, safe: bool) -> str:
+    """A model's full weights: safetensors, or ``torch.save`` without ``safe_serialization``."""
+    return (
+        numbered("model", index, ".safetensors")
+        if safe
+        else numbered("pytorch_model", index, ".bin")
+    )
+
+
+SCALER_FILE = "scaler.pt"
+_LEGACY_EXTRA = "accelerator.pt"  # nbaccel's earlier layout: scaler and accumulation step
+
+
+def _custom_file(index: int) -> str:
+    return f"custom_checkpoint_{index}.pkl"
+
+
+def _rng_file(rank: int) -> str:
+    return f"random_states_{rank}.pkl"
+
+
+def _loader_file(index: int) -> str:
+    return f"dataloader_{index}.pt"  # nbaccel's own: where the loader is in its epoch
+
+
+def _found(folder: Path, *names: str) -> Path | None:
+    """The first of ``names`` (the current name, then nbaccel's earlier ones) in ``folder``."""
+    return next((folder / n for n in names if (folder / n).exists()), None)
 
 
 def _siblings(directory: Path) -> tuple[Path, Path]:
@@ -85,7 +108,10 @@ Hook = Callable[..., None]
 
 
 def save_state(
-    acc: AcceleratorParts, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()
+    acc: AcceleratorParts,
+    directory: str | os.PathLike[str],
+    hooks: Iterable[Hook] = (),
+    safe_serialization: bool = True,
 ) -> Path:
     """Write everything a resumed run needs into ``directory`` (collective: call on every rank),
     calling each of ``hooks`` as ``hook(models, weights, staging_folder)`` before the model files.
@@ -103,10 +129,11 @@ def save_state(
         # Each rank's own file first: past this barrier, a failure of the main process's big
         # writes, which removes the staging folder, cannot pull it from under another rank.
         rng = capture_rng_state()
-        atomic_save(rng, staging / f"random_states_{acc.process_index}.pt")
+        step = acc.gradient_state.micro_step  # Accelerate's `step`, kept with the generators
+        atomic_save(rng_states_file(step), staging / _rng_file(acc.process_index))
         ops.barrier()
         try:
-            _write_all(acc, staging, main, list(hooks))
+            _write_all(acc, staging, main, list(hooks), safe_serialization)
         finally:
             # A hook may draw random numbers (diffusers' EMAModel.save_pretrained builds a
             # model): the run goes on from the states saved, exactly as a resumed one will.
@@ -167,7 +194,9 @@ def _hook_models(acc: AcceleratorParts, prepared: PreparedObjects) -> list[torch
     return prepared.strategy.models_for_hooks(prepared.models, unwrap)
 
 
-def _write_all(acc: AcceleratorParts, staging: Path, main: bool, hooks: list[Hook]) -> None:
+def _write_all(
+    acc: AcceleratorParts, staging: Path, main: bool, hooks: list[Hook], safe: bool
+) -> None:
     prepared = acc.prepared()
     strategy = prepared.strategy
     weights: list[dict[str, Any]] = []
@@ -181,25 +210,31 @@ def _write_all(acc: AcceleratorParts, staging: Path, main: bool, hooks: list[Hoo
         hook(models, weights, str(staging))
     if main:
         for i, state in enumerate(weights):
-            atomic_save(state, state_file(staging / f"model_{i}"))
+            _write_model(state, staging, i, safe)
     for i, (opt, owner) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
         # Each optimizer through its own model: under FSDP its state is gathered via that model.
-        target = staging / f"optimizer_{i}"
-        state = strategy.save_optimizer(owner, opt.optimizer, target)
+        state = strategy.save_optimizer(owner, opt.optimizer, staging / f"optimizer_{i}")
         if state is not None and main:
-            atomic_save(state, state_file(target))
+            atomic_save(state, staging / numbered("optimizer", i, ".bin"))
     if main:
         for i, sched in enumerate(prepared.schedulers):
-            atomic_save(sched.state_dict(), staging / f"scheduler_{i}.pt")
+            atomic_save(sched.state_dict(), staging / numbered("scheduler", i, ".bin"))
         for i, loader in enumerate(prepared.dataloaders):
-            atomic_save(loader.state_dict(), staging / f"dataloader_{i}.pt")
+            atomic_save(loader.state_dict(), staging / _loader_file(i))
         for i, obj in enumerate(prepared.custom_objects):
-            atomic_save(obj.state_dict(), staging / f"custom_{i}.pt")
-        scaler = acc.scaler.state_dict() if acc.scaler is not None else {}
-        atomic_save(
-            {"precision": scaler, "micro_step": acc.gradient_state.micro_step},
-            staging / "accelerator.pt",
-        )
+            atomic_save(obj.state_dict(), staging / _custom_file(i))
+        if acc.scaler is not None:
+            atomic_save(acc.scaler.state_dict(), staging / SCALER_FILE)
+
+
+def _write_model(state: dict[str, Any], folder: Path, index: int, safe: bool) -> None:
+    """One model's full weights under Accelerate's name; a tensor with two names (tied
+    weights) is stored once, as Accelerate stores it."""
+    tensors, aliases = model_files.split_tied(state)
+    if safe:
+        model_files.save_safetensors(tensors, folder / model_file(index, safe=True), aliases)
+    else:
+        atomic_save(state, folder / model_file(index, safe=False))
 
 
 def load_state(
@@ -231,29 +266,59 @@ def load_state(
         left = [prepared_of.get(id(model), model) for model in models]
         _load_models(path, left, prepared.models, strategy)
     for i, (opt, model) in enumerate(zip(prepared.optimizers, prepared.optimizer_models)):
-        strategy.load_optimizer(model, opt.optimizer, path / f"optimizer_{i}")
+        target = path / f"optimizer_{i}"
+        if target.is_dir() or strategy.collective_checkpoint:
+            strategy.load_optimizer(model, opt.optimizer, target)
+        else:
+            file = _required(path, numbered("optimizer", i, ".bin"), f"optimizer_{i}.pt")
+            strategy.load_optimizer_state_dict(model, opt.optimizer, torch_load(file))
     for i, sched in enumerate(prepared.schedulers):
-        sched.load_state_dict(torch_load(path / f"scheduler_{i}.pt"))
+        file = _required(path, numbered("scheduler", i, ".bin"), f"scheduler_{i}.pt")
+        sched.load_state_dict(torch_load(file))
     for i, loader in enumerate(prepared.dataloaders):
-        loader.load_state_dict(torch_load(path / f"dataloader_{i}.pt"))
+        position = _found(path, _loader_file(i))
+        if position is not None:  # else (Accelerate's folder) the loader goes on where it is
+            loader.load_state_dict(torch_load(position))
     for i, obj in enumerate(prepared.custom_objects):
-        obj.load_state_dict(torch_load(path / f"custom_{i}.pt", trusted_fallback=True))
-    extra = torch_load(path / "accelerator.pt")
-    if acc.scaler is not None and extra["precision"]:
+        file = _required(path, _custom_file(i), f"custom_{i}.pt")
+        obj.load_state_dict(torch_load(file, trusted_fallback=True))
+    legacy = _found(path, _LEGACY_EXTRA)
+    extra = torch_load(legacy) if legacy is not None else {}
+    scaler = _found(path, SCALER_FILE)
+    if acc.scaler is not None and scaler is not None:
+        acc.scaler.load_state_dict(torch_load(scaler))
+    elif acc.scaler is not None and extra.get("precision"):
         acc.scaler.load_state_dict(extra["precision"])
-    acc.gradient_state.micro_step = int(extra["micro_step"])
-    rng_file = path / f"random_states_{acc.process_index}.pt"
-    if rng_file.exists():
+    rank = acc.process_index
+    rng_file = _found(path, _rng_file(rank), f"random_states_{rank}.pt")
+    step = extra.get("micro_step")
+    if rng_file is not None and rng_file.suffix == ".pkl":
+        step = restore_rng_states_file(torch_load_with_numpy(rng_file))
+    elif rng_file is not None:
         restore_rng_state(torch_load(rng_file))
     else:  # saved by fewer processes: continue as Accelerate does, this rank's RNG as it is
         warnings.warn(
-            f"{rng_file} is missing (the checkpoint was saved by fewer processes than this "
-            f"run's {acc.num_processes}): rank {acc.process_index}'s random states are not "
+            f"{path / _rng_file(rank)} is missing (the checkpoint was saved by fewer processes "
+            f"than this run's {acc.num_processes}): rank {rank}'s random states are not "
             "restored; everything else is.",
             stacklevel=3,
         )
+    if step is not None:
+        acc.gradient_state.micro_step = int(step)
     ops.barrier()
     return path
+
+
+def _required(folder: Path, *names: str) -> Path:
+    """The file of ``names`` that ``folder`` holds, or an error that says which is missing."""
+    file = _found(folder, *names)
+    if file is None:
+        raise FileNotFoundError(
+            f"{folder / names[0]} is missing: the checkpoint holds fewer objects of this kind "
+            "than were prepared (or registered); prepare the same objects, in the same order, "
+            "as at save_state()."
+        )
+    return file
 
 
 def _load_models(
@@ -262,8 +327,8 @@ def _load_models(
     prepared: tuple[torch.nn.Module, ...],
     strategy: Strategy,
 ) -> None:
-    """Load ``model_<i>`` of ``path`` into ``models[i]``, once the count matches."""
-    expected = len({p.name.removesuffix(".pt") for p in path.glob("model_*")})
+    """Load the ``i``-th saved model of ``path`` into ``models[i]``, once the count matches."""
+    expected = _saved_models(path)
     if expected != len(models):
         taken = len(prepared) - len(models)
         by_hooks = f" ({taken} taken by load_state pre-hooks)" if taken > 0 else ""
@@ -274,4 +339,28 @@ def _load_models(
             "and load themselves, as at save_state()."
         )
     for i, model in enumerate(models):
-        strategy.load_model(model, path / f"model_{i}")
+        target = path / f"model_{i}"
+        if target.is_dir() or strategy.collective_checkpoint:
+            strategy.load_model(model, target)  # a sharded folder, an engine's checkpoint
+            continue
+        file = _found(path, model_file(i, True), model_file(i, False), state_file(target).name)
+        assert file is not None  # counted above
+        state = model_files.load_state_dict_files(file)
+        # A tied tensor is stored once, under one of its names (Accelerate's files too).
+        model_files._fill_tied(strategy.unwrap(model), state)
+        strategy.load_model_state_dict(model, state)
+
+
+_MODEL_NAME = re.compile(
+    r"^(?:model|pytorch_model)(?:_(\d+))?(?:\.safetensors|\.bin)$|^model_(\d+)(?:\.pt)?$"
+)
+
+
+def _saved_models(path: Path) -> int:
+    """How many models ``path`` holds (weight files, sharded or engine folders)."""
+    indices = set()
+    for entry in path.iterdir():
+        match = _MODEL_NAME.match(entry.name)
+        if match:
+            indices.add(int(match.group(1) or match.group(2) or 0))
+    return len(indices)

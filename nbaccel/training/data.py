@@ -5,12 +5,12 @@ Which indices each rank gets is planned in ``sharding``; this module wraps the u
 around that plan, tracks the epoch and position, and tells the gradient state when the last
 batch comes (for accumulation and ``gather_for_metrics``).
 
->>> import torch
 >>> from torch.utils.data import DataLoader
->>> plan = _plan_epoch(list(range(11)), per_rank=2, world=2, rank=1, drop_last=False,
-...                    even=True)
->>> plan.batches, plan.remainder        # sample 0 is borrowed to even out the last step
-([[2, 3], [6, 7], [10, 0]], 3)
+>>> from nbaccel.training.data_compat import prepare_data_loader
+>>> loader = prepare_data_loader(DataLoader(range(5), batch_size=2), num_processes=2,
+...                              process_index=1)
+>>> [b.tolist() for b in loader]        # rank 1's last batch is filled from the start
+[[2, 3], [1, 2]]
 """
 
 from __future__ import annotations
@@ -30,13 +30,11 @@ if TYPE_CHECKING:
     from nbaccel.training.partial_state import PartialState
 from nbaccel.training.random import synchronize_rng_states
 from nbaccel.training.sharding import ShardedBatchSampler
-from nbaccel.training.sharding import plan_epoch as _plan_epoch
 
 __all__ = [
     "DataLoaderDispatcher",
     "DataLoaderShard",
     "PreparedDataLoader",
-    "_plan_epoch",
     "loader_class",
     "skip_first_batches",
 ]
@@ -80,7 +78,12 @@ class PreparedDataLoader:
             self._loader = loader
         else:
             self._sampler = ShardedBatchSampler(
-                loader, state, split_batches, even_batches, data_seed
+                loader,
+                state,
+                split_batches,
+                even_batches,
+                data_seed,
+                dispatch=isinstance(self, DataLoaderDispatcher),
             )
             # The loader's iterator draws a base seed (for worker seeds) when it starts: from
             # the user's generator, else from torch's global RNG as torch and Accelerate do.
@@ -94,8 +97,14 @@ class PreparedDataLoader:
 
     @property
     def total_batch_size(self) -> int | None:
-        """Samples per step over all ranks (``batch_size`` times the number of processes)."""
-        return None if self.batch_size is None else self.batch_size * self._state.num_processes
+        """Samples per step over all ranks (``batch_size`` times the number of processes; the
+        batch sampler's size for a loader built with one)."""
+        size = self.batch_size
+        if self._sampler is not None and self._sampler.user_batch_sampler is not None:
+            size = self._sampler.batch_sampler_size
+            if size is not None and self._sampler.split:
+                return size
+        return None if size is None else size * self._state.num_processes
 
     @property
     def total_dataset_length(self) -> int | None:
@@ -112,7 +121,8 @@ class PreparedDataLoader:
 
     def _last_step_size(self) -> int:
         """Samples in the epoch's last step over all ranks, 0 when steps divide the dataset
-        (Accelerate's ``remainder``); -1 with ``drop_last`` or an unknown length."""
+        (Accelerate's ``remainder``, which ``gather_for_metrics`` keeps of the last gather);
+        -1 with ``drop_last`` or an unknown length."""
         length, total = self.total_dataset_length, self.total_batch_size
         if length is None or not total or self.original.drop_last:
             return -1
@@ -185,19 +195,19 @@ class PreparedDataLoader:
         source = self._loader if self._sampler else self._dealt(self._skip)
         self.end_of_dataloader, self.remainder = False, self._last_step_size()
         self.position, self._skip = self._skip, 0
-        total = len(self) if self._sampler is not None else None
         self._gs.iterating.append(self)
         try:
-            yield from self._batches(source, total)
+            yield from self._batches(source)
         finally:
             self._gs.iterating.remove(self)
 
-    def _batches(self, source: Any, total: int | None) -> Iterator[Any]:
+    def _batches(self, source: Any) -> Iterator[Any]:
         for item in source:
             self.position += 1
             if self._sampler is not None:
-                batch, last = item, self.position == total
-                remainder = self._sampler.remainder if last else None
+                # The sampler planned the epoch before the loader fetched this first batch.
+                batch, last = item, self.position == self._sampler.planned
+                remainder = self._final_remainder() if last else None
             else:
                 batch, last, remainder = item
             self._gs.at_loader_end, self._gs.remainder = last, remainder
@@ -211,6 +221,16 @@ class PreparedDataLoader:
             xla.sync()
         self._gs.at_loader_end, self._gs.remainder = False, None
         self.epoch, self.position = self.epoch + 1, 0
+
+    def _final_remainder(self) -> int:
+        """What ``gather_for_metrics`` keeps of the last step's gather, as Accelerate's
+        ``remainder`` there: the step's real samples when dispatching, else the dataset's
+        length modulo ``total_batch_size`` (0 or -1: keep everything)."""
+        dispatched = self._sampler.remainder if self._sampler is not None else None
+        if dispatched is not None:
+            self.remainder = dispatched
+            return dispatched
+        return self.remainder
 
     def _dealt(self, skip: int) -> Iterator[tuple[Any, bool, int | None]]:
         """Iterable datasets: every rank reads the stream and takes its even share of each

@@ -83,6 +83,28 @@ def torch_load(path: str | os.PathLike[str], trusted_fallback: bool = False) -> 
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def torch_load_with_numpy(path: str | os.PathLike[str]) -> Any:
+    """:func:`torch_load` of a file that may hold NumPy arrays too (a NumPy generator's state in
+    ``random_states_<i>.pkl``): arrays are plain numbers, so ``weights_only`` may rebuild them.
+
+    Example::
+
+        states = torch_load_with_numpy("ckpt/random_states_0.pkl")
+    """
+    try:
+        import numpy as np
+    except ImportError:
+        return torch_load(path)
+    import codecs
+
+    multiarray = getattr(np, "_core", None) or np.core  # NumPy 2 renamed it
+    multiarray = multiarray.multiarray
+    arrays: list[Any] = [multiarray._reconstruct, np.ndarray, np.dtype, codecs.encode]
+    arrays += [type(np.dtype(kind)) for kind in ("uint32", "float64", "int64")]
+    with torch.serialization.safe_globals(arrays):
+        return torch_load(path)
+
+
 def safetensors_load(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors of a safetensors file and its metadata, or :class:`UnreadableFileError`.
 

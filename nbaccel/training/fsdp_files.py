@@ -38,8 +38,8 @@ def save_fsdp_model(
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from nbaccel.training.checkpoint import atomic_save
     from nbaccel.training.strategies.sharded_files import save_sharded_model
+    from nbaccel.training.torch_files import atomic_save
 
     if adapter_only:
         raise NotImplementedError(
@@ -91,8 +91,8 @@ def merge_fsdp_weights(
 def _merge(folder: Path, out: Path, safe: bool) -> Path:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from nbaccel.training.checkpoint import atomic_save
     from nbaccel.training.model_files import SAFE_WEIGHTS_NAME, WEIGHTS_NAME, save_safetensors
+    from nbaccel.training.torch_files import atomic_save
 
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(

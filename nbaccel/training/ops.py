@@ -13,6 +13,7 @@ tensor([1, 2])
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -211,7 +212,9 @@ def gather_object(object: Any) -> list[Any]:  # Accelerate's parameter name
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     """Average ("mean"), sum ("sum", and "none" as in Accelerate) or take the largest value
-    ("max") of every tensor over the ranks; the result is on every rank.
+    ("max") of every tensor over the ranks; the result is on every rank. ``scale`` multiplies
+    the result on XLA devices only, as Accelerate's ``reduce`` documents and does; elsewhere it
+    is ignored with a warning, so ported code computes Accelerate's numbers.
 
     Example::
 
@@ -224,6 +227,13 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         )
     _check_shapes("reduce", tensor)
     op = _comm().ReduceOp.MAX if reduction == "max" else _comm().ReduceOp.SUM
+    scaled = scale != 1.0 and xla.in_use()
+    if scale != 1.0 and not scaled:
+        warnings.warn(
+            f"reduce(scale={scale}) is ignored: Accelerate applies scale on XLA devices only, "
+            "and nbaccel gives Accelerate's result; multiply the result yourself instead.",
+            stacklevel=3,
+        )
 
     def one(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
@@ -231,7 +241,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
             _comm().all_reduce(out, op=op)
             if reduction == "mean":
                 out = out / _world()
-        return out * scale if scale != 1.0 else out
+        return out * scale if scaled else out
 
     return recursively_apply(one, tensor)
 

@@ -100,8 +100,10 @@ class GradScalerKwargs(KwargsHandler):
 
 @dataclasses.dataclass
 class InitProcessGroupKwargs(KwargsHandler):
-    """Options for ``torch.distributed.init_process_group`` (nbaccel uses the timeout; the
-    backend is chosen for the device: gloo on CPU, NCCL on GPUs).
+    """Options for ``torch.distributed.init_process_group``: ``timeout``, ``init_method`` (how
+    the processes find each other; default: the launcher's address) and ``backend`` (left at
+    Accelerate's default "nccl", the device's own is used: gloo on CPU, NCCL on GPUs; any
+    other, e.g. "gloo" on GPUs, is used as given).
 
     Example::
 

@@ -113,18 +113,31 @@ def detect_state(cpu: bool = False, init_kwargs: Any = None) -> ProcessState:
             )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    elif world > 1 or env_int("LOCAL_RANK", -1) != -1:
+        # A launched CPU process (any number of them): Accelerate's `cpu:0` there, and
+        # `cpu` in a plain one, so code that prints or compares the device sees the same.
+        device = torch.device("cpu", 0)
     else:
         device = torch.device("cpu")
     backend = None
     if world > 1:
-        backend = "nccl" if use_cuda else "gloo"
+        # InitProcessGroupKwargs as Accelerate reads it: a backend other than its default
+        # "nccl" is used as given (gloo on GPUs, "cpu:gloo,cuda:nccl"); else the device's.
+        chosen = getattr(init_kwargs, "backend", None)
+        backend = chosen if chosen not in (None, "nccl") else ("nccl" if use_cuda else "gloo")
         timeout = getattr(init_kwargs, "timeout", None) or datetime.timedelta(minutes=30)
-        _init_process_group(backend, rank, world, device, timeout)
+        init_method = getattr(init_kwargs, "init_method", None)
+        _init_process_group(backend, rank, world, device, timeout, init_method)
     return ProcessState(rank, local_rank, world, local_world, device, backend)
 
 
 def _init_process_group(
-    backend: str, rank: int, world: int, device: torch.device, timeout: datetime.timedelta
+    backend: str,
+    rank: int,
+    world: int,
+    device: torch.device,
+    timeout: datetime.timedelta,
+    init_method: str | None = None,
 ) -> None:
     if dist.is_initialized():
         current = dist.get_backend()
@@ -136,7 +149,7 @@ def _init_process_group(
             )
         return
     for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name):
+        if not init_method and not os.environ.get(name):
             raise RuntimeError(
                 f"WORLD_SIZE={world} but {name} is not set, so the processes cannot find each "
                 "other. Start them with notebook_launcher, `nbaccel launch` or torchrun."
@@ -146,5 +159,6 @@ def _init_process_group(
         rank=rank,
         world_size=world,
         timeout=timeout,
+        init_method=init_method,
         device_id=device if device.type == "cuda" else None,
     )

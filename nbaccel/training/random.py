@@ -93,6 +93,35 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def rng_states_file(step: int) -> dict[str, Any]:
+    """This process's generators as Accelerate writes them to ``random_states_<rank>.pkl``
+    (its key names and Python/NumPy/torch state types), with the accumulation ``step``; CUDA's
+    only where this process already uses CUDA.
+
+    >>> sorted(rng_states_file(3))[:3]
+    ['numpy_random_seed', 'random_state', 'step']
+    """
+    states: dict[str, Any] = {"step": step, "random_state": _py_random.getstate()}
+    if _np is not None:
+        states["numpy_random_seed"] = _np.random.get_state()
+    states["torch_manual_seed"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states_file(states: dict[str, Any]) -> int | None:
+    """Put back the generators of a ``random_states_<rank>.pkl`` (Accelerate's or nbaccel's);
+    returns its accumulation ``step``, if it has one."""
+    _py_random.setstate(states["random_state"])
+    if _np is not None and "numpy_random_seed" in states:
+        _np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if "torch_cuda_manual_seed" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    return states.get("step")
+
+
 def synchronize_rng_states(rng_types: Any, generator: torch.Generator | None = None) -> None:
     """Give every rank the main process's ``torch``/``cuda``/``python``/``numpy`` generators,
     and with ``"generator"`` the state of ``generator`` (a DataLoader's, for instance).

@@ -10,6 +10,10 @@ import torch
 
 from nbaccel.training.accumulation import GradientState
 
+# Set on each object prepare() was given, so passing it again is refused; an attribute of a
+# scheduler lands in its state_dict(), which leaves it out (checkpoints are Accelerate's).
+PREPARED_MARK = "_nbaccel_prepared"
+
 
 class PreparedOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepping through the precision (fp16 scaler) and doing nothing on
@@ -120,7 +124,9 @@ class PreparedScheduler:
             self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        state = self.scheduler.state_dict()
+        state.pop(PREPARED_MARK, None)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state_dict)
