@@ -6,10 +6,17 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 from nbaccel.core.launch_state import LaunchInfo, LaunchState, RankState, RankStatus
 from nbaccel.core.local_traceback import Renderer, render_launch_error
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.ui import chart, panes, summary, table
+from tests.fresh_boot import fresh_boot_clock  # noqa: F401 - a fixture, used below
+
+# Each test runs at the real clock and as on a machine booted a second ago: the view model's
+# readers take ``now``, so hand-picked times mean the same whatever the machine's uptime.
+pytestmark = pytest.mark.usefixtures("fresh_boot_clock")
 
 
 def make_state(n: int = 2, t0: float = 1000.0) -> LaunchState:
@@ -71,7 +78,7 @@ def test_run_total_from_epoch_bar_times_batches():
     assert rank.run_progress() == (50, 1000, "steps")
     eta = rank.eta(now=1001.0)
     assert eta is not None and 17 < eta < 20  # 950 steps at 50/s
-    line = summary.run_line(state)
+    line = summary.run_line(state, now=1001.0)
     assert "step 50/1,000" in line and "epoch 0/10" in line and "ETA" in line
 
 
@@ -85,15 +92,15 @@ def test_rate_never_blank_once_steps_arrive():
 
 
 def test_straggler_is_a_rank_20_percent_below_the_median():
-    t0 = time.monotonic() - 4.5  # the tables below are rendered at the real "now"
+    t0 = 1000.0
     state = make_state(3, t0)
     for r, steps, step_time in ((0, 400, 0.01), (1, 400, 0.01), (2, 200, 0.02)):
         run_epochs(state.ranks[r], t0, epochs=1, steps=steps, step_time=step_time)
     assert state.stragglers(now=t0 + 4) == {2}
-    html = table.table_html(state)
+    html = table.table_html(state, now=t0 + 4.5)
     assert "data-rank='2'" in html and "nbaccel-straggler" in html
     assert re.search(r"data-rank='2'[^>]*data-straggler='1'", html)
-    assert "(straggler)" in summary.summary_text(state)
+    assert "(straggler)" in summary.summary_text(state, now=t0 + 4.5)
 
 
 def test_stall_after_quiet_period_asks_for_stacks_once():
@@ -110,7 +117,7 @@ def test_stall_after_quiet_period_asks_for_stacks_once():
         '  File "/tmp/ipykernel_1/2.py", line 7 in train\n'
     )
     state.ranks[0].last_advance = 1001.0
-    text = summary.stall_text(state)
+    text = summary.stall_text(state, now=1032.0)
     assert "no rank has advanced" in text and "rank 0: waiting in all_reduce" in text
     assert "rank 1: no stack yet" in text
 
@@ -118,14 +125,14 @@ def test_stall_after_quiet_period_asks_for_stacks_once():
 def test_effective_settings_replace_the_launch_settings_in_the_banner():
     state = make_state(1)
     state.ranks[0].effective = {"mixed_precision": "bf16", "strategy": "ddp", "device": "cpu"}
-    assert "mixed_precision=bf16 (set in code)" in summary.headline(state)
-    assert "data-precision='bf16'" in table.header_html(state)
+    assert "mixed_precision=bf16 (set in code)" in summary.headline(state, now=1001.0)
+    assert "data-precision='bf16'" in table.header_html(state, now=1001.0)
 
 
 def test_summary_cells_are_left_aligned_for_jupyterlab():
     state = make_state(2)
     state.ranks[1].status = RankStatus.STOPPED
-    html = summary.summary_html(state)
+    html = summary.summary_html(state, now=1001.0)
     assert "text-align:right" not in html
     assert all("text-align:left" in td for td in re.findall(r"<td[^>]*>", html))
 
@@ -168,7 +175,7 @@ def test_metrics_status_and_rate_columns_wrap_the_others_do_not():
     for r in state.ranks.values():
         r.metrics = {"loss": 2.37, "lr": 0.01, "grad_norm": 1.5, "tokens": 512.0}
         r.ended_at = r.started_at + 42  # elapsed "42.0 s"
-    live, final = table.table_html(state), summary.summary_html(state)
+    live, final = table.table_html(state, now=1050.0), summary.summary_html(state, now=1050.0)
     for html in (live, final):
         cells = re.findall(r"<td style='([^']*)'>[^<]*loss=", html)
         assert cells and all("white-space:normal" in c for c in cells), html
@@ -260,13 +267,13 @@ def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
 def test_table_shows_the_metrics_sample_the_charts_were_drawn_from():
     state = make_state(1)
     rank = state.ranks[0]
-    rank.on_metrics(10, {"loss": 0.5})
+    rank.on_metrics(10, {"loss": 0.5}, now=1001.0)
     svg = chart.metrics_charts({0: rank.history})
     snapshot = {0: dict(rank.metrics)}
-    rank.on_metrics(20, {"loss": 0.25})  # arrives after the charts were drawn
-    html = table.table_html(state, svg, snapshot)
+    rank.on_metrics(20, {"loss": 0.25}, now=1002.0)  # arrives after the charts were drawn
+    html = table.table_html(state, 1002.0, svg, snapshot)
     assert "loss=0.5" in html and "loss=0.25" not in html
-    assert "loss=0.25" in table.table_html(state)  # without a chart: the latest
+    assert "loss=0.25" in table.table_html(state, now=1002.0)  # without a chart: the latest
 
 
 def test_text_view_repeats_a_stall_notice_only_when_it_doubles_or_moves(capsys):

@@ -30,7 +30,7 @@ def _ranks(numbers: list[int]) -> str:
     return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(map(str, numbers))
 
 
-def cell_status(state: LaunchState) -> str:
+def cell_status(state: LaunchState, now: float) -> str:
     """The cell's ranks in one line: what each did, how long the cell took, their memory.
 
     ``ranks 0, 1 finished in 12.3 s · RSS 410 MiB, 415 MiB``, or
@@ -44,7 +44,7 @@ def cell_status(state: LaunchState) -> str:
         errors = {state.ranks[n].error_line for n in numbers} - {None}
         why = f" ({next(iter(errors))})" if len(errors) == 1 else ""
         parts.append(f"{_ranks(numbers)} {status}{why}")
-    text = ", ".join(parts) + f" in {format_seconds(state.elapsed)}"
+    text = ", ".join(parts) + f" in {format_seconds(state.elapsed(now))}"
     memory = [r.rss for r in sorted(state.ranks.values(), key=lambda r: r.rank)]
     if any(m is not None for m in memory):
         text += " · RSS " + ", ".join(format_bytes(m) for m in memory)
@@ -101,11 +101,11 @@ class CellView(TextView):
     def finish(self) -> None:
         self._sync()
         self._print_skipped(force=True)
-        state = self._state
+        state, now = self._state, time.monotonic()
         if self._dashboard is not None:
             self._dashboard.finish()  # its summary's first line is the status
-        elif state is not None and (state.elapsed >= LONG_CELL or state.longest_stall):
-            print(f"nbaccel: {cell_status(state)}")
+        elif state is not None and (state.elapsed(now) >= LONG_CELL or state.longest_stall):
+            print(f"nbaccel: {cell_status(state, now)}")
         self._flush()
 
     def _sync(self) -> None:

@@ -44,10 +44,10 @@ class Dashboard:
     """
 
     def __init__(
-        self, panes: bool = True, title: Callable[[LaunchState], str] | None = None
+        self, panes: bool = True, title: Callable[[LaunchState, float], str] | None = None
     ) -> None:
         """``panes=False``: no output panes (the caller prints the ranks' lines); ``title``:
-        the summary's first line (of the state) instead of the launch's headline, and then
+        the summary's first line (of the state and the time) instead of the launch's headline, and then
         no launch header either."""
         self._with_panes, self._title = panes, title
         self._state: LaunchState | None = None
@@ -115,14 +115,15 @@ class Dashboard:
         if self._state is None:
             return
         self._memory.sample(self._state, force=True)
-        self._push(time.monotonic(), final=True)
+        now = time.monotonic()
+        self._push(now, final=True)
         outputs = {r: buf.lines() for r, buf in self._outputs.items()}
         dropped = {r: buf.dropped for r, buf in self._outputs.items()}
-        title = self._title(self._state) if self._title is not None else None
+        title = self._title(self._state, now) if self._title is not None else None
         bundle = {
-            "text/plain": summary_text(self._state, outputs, title, dropped=dropped),
+            "text/plain": summary_text(self._state, now, outputs, title, dropped=dropped),
             "text/html": summary_html(
-                self._state, outputs, charts=True, title=title, dropped=dropped
+                self._state, now, outputs, charts=True, title=title, dropped=dropped
             ),
         }
         if self._handle is not None:
@@ -202,7 +203,7 @@ class Dashboard:
             self._chart_key, self._last_chart = key, now
             self._chart_svg = metrics_charts({r.rank: r.history for r in state.ranks.values()})
             self._chart_metrics = {r.rank: dict(r.metrics) for r in state.ranks.values()}
-        return table_html(state, self._chart_svg, self._chart_metrics, self._title is None)
+        return table_html(state, now, self._chart_svg, self._chart_metrics, self._title is None)
 
 
 def close_widgets(widgets: list[Any]) -> None:

@@ -120,28 +120,28 @@ class TextView:
         self._last_progress = now
         state = self._state
         if any(r.bars for r in state.ranks.values()):
-            _say(f"nbaccel {run_line(state)}")
-        slow = state.stragglers()
+            _say(f"nbaccel {run_line(state, now)}")
+        slow = state.stragglers(now)
         for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
             if rank.bar is None and not rank.metrics:
                 continue
-            parts = [format_progress(rank), format_metrics(rank.metrics)]
+            parts = [format_progress(rank, now), format_metrics(rank.metrics)]
             parts.append("" if rank.rss is None else format_memory(rank))
             parts.append(f"<- {STRAGGLER_MARK}" if rank.rank in slow else "")
             text = " ".join(p for p in parts if p).strip()
             if self._printed_progress.get(rank.rank) != text:
                 self._printed_progress[rank.rank] = text
                 _say(f"{self._label(rank.rank)}progress: {text}")
-        self._print_stall(state)
+        self._print_stall(state, now)
 
-    def _print_stall(self, state: LaunchState) -> None:
+    def _print_stall(self, state: LaunchState, now: float) -> None:
         """The stall notice when a stall starts, when where the ranks wait changes, and each
         time the stall has doubled in length; not every interval (a log would fill up)."""
-        stall = stall_text(state)
+        stall = stall_text(state, now)
         if not stall:
             self._stall_shown, self._stall_reprint_at = "", 0.0
             return
-        quiet = state.stalled_for() or 0.0
+        quiet = state.stalled_for(now) or 0.0
         where = stall.split("\n", 1)[-1]
         if where != self._stall_shown or quiet >= self._stall_reprint_at:
             self._stall_shown, self._stall_reprint_at = where, 2 * quiet
@@ -172,7 +172,7 @@ class TextView:
         self._print_settings()
         if self._state is not None and self.show_progress:
             self._memory.sample(self._state, force=True)
-            _say(summary_text(self._state))
+            _say(summary_text(self._state, time.monotonic()))
         self._flush()
 
     @staticmethod
