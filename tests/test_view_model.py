@@ -313,3 +313,69 @@ def test_a_ranks_cell_ends_with_a_status_line_only_when_it_ran_long(capsys):
         view.finish()
         out = capsys.readouterr().out
         assert out == ("nbaccel: rank 1 finished in 12.0 s · RSS 300 MiB\n" if shown else ""), out
+
+
+def test_header_says_what_the_launch_waits_for_and_its_clock_ticks():
+    state = make_state(2)
+    state.waiting_for, state.waiting_since = "fork server: importing torch._dynamo", 1000.0
+    first, later = table.header_html(state, now=1001.4), table.header_html(state, now=1002.9)
+    assert "waiting for fork server: importing torch._dynamo (1.4 s)" in first
+    assert "(2.9 s)" in later and "elapsed <b>2.9 s</b>" in later  # the clock ticks
+    assert "data-outcome='waiting'" in first
+    state.waiting_since = 1000.5  # waited 30 s and more: still not a stall
+    assert summary.stall_text(state, now=1040.0) == ""
+    state.waiting_for = None  # the ranks are starting
+    assert "waiting" not in table.header_html(state, now=1003.0)
+
+
+def test_text_view_says_what_it_waits_for_once_per_change_and_when_the_wait_doubles(capsys):
+    from nbaccel.ui.text import TextView
+
+    state = make_state(2, t0=time.monotonic())
+    view = TextView(progress_interval=0.0)
+    view.start(state)
+    capsys.readouterr()
+    state.waiting_for, state.waiting_since = "fork server: importing torch", time.monotonic() - 1.4
+    for _ in range(5):  # updates every 0.25 s or faster while waiting
+        view.update()
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and re.fullmatch(
+        r"nbaccel: waiting for fork server: importing torch \(1\.[45] s\)", out[0]
+    ), out
+    state.waiting_for = "fork server: importing torch._dynamo"
+    view.update()
+    view.update()
+    assert capsys.readouterr().out.count("importing torch._dynamo (") == 1
+    state.waiting_since -= 10.0  # the same wait went on: said again once it doubled
+    view.update()
+    view.update()
+    assert capsys.readouterr().out.count("importing torch._dynamo (11.") == 1
+
+
+def test_text_view_prints_an_unchanged_run_line_once(capsys):
+    from nbaccel.ui.text import TextView
+
+    state = make_state(1, t0=time.monotonic())
+    view = TextView(progress_interval=0.0)
+    view.start(state)
+    state.ranks[0].on_progress(0, 0, 50, "train", 0.0)  # the first step is slow (compiling)
+    for _ in range(4):
+        view.update()
+        time.sleep(0.01)
+    out = capsys.readouterr().out
+    assert out.count("nbaccel run: step 0/50") == 1, out
+    state.ranks[0].on_progress(0, 1, 50, "train", 3.0)
+    view.update()
+    assert capsys.readouterr().out.count("nbaccel run: step 1/50") == 1
+
+
+def test_eta_holds_still_while_a_step_takes_long():
+    rank = make_state(1).ranks[0]
+    rank.on_progress(0, 0, 100, None, 0.0, now=1000.0)
+    for n in range(1, 21):  # 20 steps at 10 a second
+        rank.on_progress(0, n, 100, None, n / 10, now=1000.0 + n / 10)
+    at_last_step = rank.eta(now=1002.0)
+    assert at_last_step is not None and 7.5 < at_last_step < 8.5  # 80 steps at 10/s
+    assert rank.eta(now=1020.0) == at_last_step  # 18 s into a long step: not 20 s more
+    rank.on_progress(0, 21, 100, None, 20.0, now=1020.0)  # the long step ended: measured again
+    assert rank.eta(now=1020.0) != at_last_step

@@ -296,10 +296,16 @@ class RankState:
         return self.steps, None, "steps"
 
     def eta(self, now: float) -> float | None:
-        """Seconds to the end of the run (or of the current bar, when that is all that is known)."""
+        """Seconds to the end of the run (or of the current bar, when that is all that is known).
+
+        Measured at the rank's last step, so a long step (``torch.compile`` compiling, an
+        evaluation) holds the ETA where it was instead of pushing it up every second; the next
+        step measures again.
+        """
         if self.done:
             return None
-        rate = self.step_rate(now)
+        last_step = self._window[-1][0] if self._window else now
+        rate = self.step_rate(min(now, last_step))
         done, total, _ = self.run_progress()
         if rate and total is not None:
             return max(0.0, (total - done) / rate)
@@ -362,8 +368,9 @@ class LaunchState:
         return {k for k, v in known.items() if v <= (1 - STRAGGLER_SLOWER) * median}
 
     def stalled_for(self, now: float) -> float | None:
-        """Seconds since any running rank last advanced, when that is ``stall_after`` or more."""
-        if self.ended_at is not None or self.outcome is not None:
+        """Seconds since any running rank last advanced, when that is ``stall_after`` or more
+        (never while the launch still waits for something before its ranks run)."""
+        if self.ended_at is not None or self.outcome is not None or self.waiting_for is not None:
             return None
         running = [r for r in self.ranks.values() if not r.done]
         if not running:

@@ -90,6 +90,22 @@ def run_line(state: LaunchState, now: float) -> str:
     return "run: " + " · ".join(parts)
 
 
+def waiting_text(state: LaunchState, now: float) -> str:
+    """What the launch waits for before its ranks run, with how long it has waited so far
+    ("" once it waits for nothing).
+
+    >>> from nbaccel.core.launch_state import LaunchState
+    >>> state = LaunchState(None, {}, waiting_for="fork server: importing torch._dynamo")
+    >>> state.waiting_since = 100.0
+    >>> waiting_text(state, now=101.4)
+    'fork server: importing torch._dynamo (1.4 s)'
+    """
+    if state.waiting_for is None:
+        return ""
+    since = state.started_at if state.waiting_since is None else state.waiting_since
+    return f"{state.waiting_for} ({format_seconds(max(0.0, now - since))})"
+
+
 def stall_text(state: LaunchState, now: float) -> str:
     """``no rank has advanced for 42 s`` plus where each rank waits, or "" while all is well."""
     quiet = state.stalled_for(now)

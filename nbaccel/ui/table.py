@@ -23,6 +23,7 @@ from nbaccel.ui.summary import (
     format_rate,
     run_line,
     stall_text,
+    waiting_text,
 )
 
 COLUMNS = ("rank", "status", "progress", "", "rate", "ETA", "memory", "elapsed", "metrics")
@@ -38,7 +39,10 @@ def header_html(state: LaunchState, now: float) -> str:
         gpus = hardware.detect().gpus[: info.num_processes]
         names = sorted({g.name for g in gpus})
         devices = f"{len(gpus)}× {', '.join(names)}" if names else "cuda"
-    outcome = state.outcome or ("running" if any(not r.done for r in state.ranks.values()) else "")
+    waiting = waiting_text(state, now)
+    outcome = state.outcome or (
+        "waiting" if waiting else "running" if any(not r.done for r in state.ranks.values()) else ""
+    )
     reported = [r.effective for r in state.ranks.values() if r.effective]
     first = reported[0] if reported else {}
     precision = first.get("mixed_precision", info.mixed_precision)
@@ -56,6 +60,8 @@ def header_html(state: LaunchState, now: float) -> str:
         ("elapsed", format_seconds(state.elapsed(now))),
     ]
     cells = " · ".join(f"{k} <b>{html.escape(str(v))}</b>" for k, v in items)
+    if waiting:  # the first seconds of a launch: say what they go to, the clock ticking
+        cells += f" · <span class='nbaccel-waiting'>waiting for {html.escape(waiting)}</span>"
     return (
         f"<div class='nbaccel-header' data-outcome='{html.escape(str(outcome))}' "
         f"data-precision='{html.escape(precision)}' title='{html.escape(describe(state))}' "
