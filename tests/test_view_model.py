@@ -379,3 +379,15 @@ def test_eta_holds_still_while_a_step_takes_long():
     assert rank.eta(now=1020.0) == at_last_step  # 18 s into a long step: not 20 s more
     rank.on_progress(0, 21, 100, None, 20.0, now=1020.0)  # the long step ended: measured again
     assert rank.eta(now=1020.0) != at_last_step
+
+
+def test_no_stall_while_a_rank_compiles_and_the_row_says_it_compiles():
+    state = make_state(2)
+    state.stall_after = 30
+    state.ranks[0].on_compiling(True, now=1001.0)  # rank 1 waits for it in a collective
+    assert summary.stall_text(state, now=1100.0) == ""
+    assert "</span> (compiling 1:39)" in table.table_html(state, now=1100.0)
+    assert "running (compiling 1:39)" in summary.summary_text(state, now=1100.0)
+    state.ranks[0].on_compiling(False, now=1120.0)
+    assert summary.stall_text(state, now=1140.0) == ""  # quiet counts from the compile's end
+    assert "no rank has advanced for 30.0 s" in summary.stall_text(state, now=1150.0)

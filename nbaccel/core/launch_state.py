@@ -157,6 +157,7 @@ class RankState:
     rss: int | None = None  # resident memory in bytes, sampled by the kernel
     gpu_memory: int | None = None  # bytes on the GPU, where CUDA
     effective: dict[str, str] = dataclasses.field(default_factory=dict)  # what the rank runs
+    compiling_since: float | None = None  # torch.compile is compiling in the rank since then
     _window: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=400), repr=False
     )
@@ -245,6 +246,12 @@ class RankState:
     ) -> None:
         self.metrics.update(values)
         self.history.append((step if step is not None else len(self.history), dict(values)))
+        self.note_activity(now)
+
+    def on_compiling(self, active: bool, now: float | None = None) -> None:
+        """``torch.compile`` started or finished compiling: not a stall either way."""
+        now = time.monotonic() if now is None else now
+        self.compiling_since = now if active else None
         self.note_activity(now)
 
     def note_activity(self, now: float | None = None) -> None:
@@ -373,8 +380,8 @@ class LaunchState:
         if self.ended_at is not None or self.outcome is not None or self.waiting_for is not None:
             return None
         running = [r for r in self.ranks.values() if not r.done]
-        if not running:
-            return None
+        if not running or any(r.compiling_since is not None for r in running):
+            return None  # a rank that compiles holds the others up: no stall to report
         last = max(max(r.started_at, r.last_advance or r.started_at) for r in running)
         quiet = now - last
         if quiet < self.stall_after:

@@ -153,6 +153,8 @@ class Relay:
             rank.on_progress(e.bar_id, e.n, e.total, e.desc, e.elapsed, e.closed, e.unit_scale)
         elif isinstance(event, events.Metrics):
             rank.on_metrics(event.step, event.values)
+        elif isinstance(event, events.Compiling):
+            rank.on_compiling(event.active)
         elif isinstance(event, events.RankSettings):
             rank.effective = {k: str(v) for k, v in vars(event).items() if k != "rank"}
         elif isinstance(event, events.Result):

@@ -60,6 +60,13 @@ def format_memory(rank: RankState) -> str:
     return ", ".join(parts) or "-"
 
 
+def compiling_note(rank: RankState, now: float) -> str:
+    """`` (compiling 12.0 s)`` while ``torch.compile`` compiles in the rank, else ""."""
+    if rank.compiling_since is None or rank.done:
+        return ""
+    return f" (compiling {format_seconds(max(0.0, now - rank.compiling_since))})"
+
+
 def format_progress(rank: RankState, now: float) -> str:
     """Bar and rate in one: ``train: 120/500 41.2 it/s``."""
     rate = format_rate(rank, now)
@@ -242,7 +249,8 @@ def _rows(state: LaunchState, now: float) -> tuple[list[str], list[list[str]]]:
     header += ["memory"] * with_memory + ["elapsed"] + ["metrics"] * with_metrics
     rows = []
     for rank in ranks:
-        status = str(rank.status) + (f" ({STRAGGLER_MARK})" if rank.rank in slow else "")
+        status = str(rank.status) + compiling_note(rank, now)
+        status += f" ({STRAGGLER_MARK})" if rank.rank in slow else ""
         status += f": {rank.error_line}" if rank.error_line else ""
         row = [str(rank.rank), status]
         row += [format_count(rank), format_rate(rank, now)] * with_progress

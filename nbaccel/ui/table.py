@@ -16,6 +16,7 @@ from nbaccel.ui.summary import (
     STRAGGLER_MARK,
     WRAP_CELL,
     WRAPPING,
+    compiling_note,
     describe,
     format_count,
     format_memory,
@@ -93,7 +94,8 @@ def row_html(
     )
     cells = [
         f"rank {rank.rank}",
-        f"<span style='color:{colour};font-weight:600'>{rank.status}</span>{mark}",
+        f"<span style='color:{colour};font-weight:600'>{rank.status}</span>"
+        f"{html.escape(compiling_note(rank, now))}{mark}",
         html.escape(format_count(rank)),
         meter,
         html.escape(format_rate(rank, now)),

@@ -129,9 +129,11 @@ class TextView:
             _say(f"nbaccel {line}")
         slow = state.stragglers(now)
         for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
-            if rank.bar is None and not rank.metrics:
+            compiling = rank.compiling_since is not None and not rank.done
+            if rank.bar is None and not rank.metrics and not compiling:
                 continue
-            parts = [format_progress(rank, now), format_metrics(rank.metrics)]
+            parts = [format_progress(rank, now) if rank.bar else "", format_metrics(rank.metrics)]
+            parts.append("compiling (torch.compile)" if compiling else "")
             parts.append("" if rank.rss is None else format_memory(rank))
             parts.append(f"<- {STRAGGLER_MARK}" if rank.rank in slow else "")
             text = " ".join(p for p in parts if p).strip()
