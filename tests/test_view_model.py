@@ -391,3 +391,23 @@ def test_no_stall_while_a_rank_compiles_and_the_row_says_it_compiles():
     state.ranks[0].on_compiling(False, now=1120.0)
     assert summary.stall_text(state, now=1140.0) == ""  # quiet counts from the compile's end
     assert "no rank has advanced for 30.0 s" in summary.stall_text(state, now=1150.0)
+
+
+def test_a_ranks_cell_keeps_each_ranks_burst_of_lines_together(capsys):
+    from nbaccel.ui.cell_view import BURST_QUIET, CellView
+
+    state = make_state(2, t0=time.monotonic())
+    view = CellView()
+    view.start(state)
+    for i in range(3):  # both ranks print a three-line block at once; their lines arrive mixed
+        view.output(0, "stdout", [f"rank 0 line {i}"])
+        view.output(1, "stdout", [f"rank 1 line {i}"])
+        view.update()
+    assert capsys.readouterr().out == ""  # the bursts are still coming
+    time.sleep(BURST_QUIET + 0.05)
+    view.update()
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[rank{r}] rank {r} line {i}" for r in (0, 1) for i in range(3)], out
+    view.output(1, "stdout", ["last words"])
+    view.finish()  # the cell ended: nothing is held back
+    assert capsys.readouterr().out == "[rank1] last words\n"
