@@ -95,3 +95,43 @@ def test_torch_compile_is_reported_while_it_compiles():
     assert result == 3.0
     assert view.seen_compiling == {0}
     assert view.state is not None and view.state.ranks[0].compiling_since is None  # ended
+
+
+class MetricsWatchingView(WatchingView):
+    """Notes how many metric samples the kernel had while the rank's "eval" step ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples_during_eval = 0
+
+    def update(self) -> None:
+        assert self.state is not None
+        rank = self.state.ranks[0]
+        if any(b.desc == "eval" and b.n == 0 for b in rank.bars.values()):  # during its sleep
+            self.samples_during_eval = max(self.samples_during_eval, len(rank.history))
+
+
+def short_epochs_then_a_long_evaluation():
+    import time
+
+    from nbaccel.rank import reporting
+
+    for _ in nbaccel.progress(range(3), desc="warm-up"):  # starts the reporting tick
+        pass
+    tick = reporting._tick[0]
+    while reporting._tick[0] == tick:  # a tick has just begun: the epochs below fit in it
+        time.sleep(0.001)
+    for epoch in range(2):  # two short epochs, each logging once
+        for _ in nbaccel.progress(range(3), desc="batch"):
+            pass
+        nbaccel.log({"epoch": float(epoch)}, step=epoch)
+    with nbaccel.progress(total=1, desc="eval") as bar:
+        time.sleep(1.0)
+        bar.update(1)
+    return 0
+
+
+def test_metrics_logged_once_an_epoch_arrive_with_the_progress_not_an_epoch_later():
+    view = MetricsWatchingView()
+    nbaccel.notebook_launcher(short_epochs_then_a_long_evaluation, num_processes=1, view=view)
+    assert view.samples_during_eval == 2  # the chart had the second epoch while eval ran

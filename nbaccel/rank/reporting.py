@@ -219,6 +219,8 @@ class ProgressBar:
         )
         if closed:
             flush()  # metrics logged before the bar ended arrive before it does
+        elif _pending:  # logged since the last send (e.g. once per epoch): with this progress,
+            _ship(self.rank, block=False)  # not with the next log() call an epoch later
         events.emit(event, block=force)
         self._seen = _tick[0]
         _ensure_ticker()
