@@ -45,3 +45,25 @@ def test_the_failures_text_names_cells_as_the_rendered_traceback_does(shell):
     assert "  Cell In[16], line 2, in boom\n    raise ValueError('bad batch')" in str(err)
     assert cell_file not in str(err)
     assert err.remote_traceback == remote  # the rank's own text is kept as it came
+
+
+def fails_silently():
+    raise ValueError("bad batch")
+
+
+@pytest.mark.slow  # a real rank
+def test_a_failed_launch_names_the_log_that_has_its_traceback(capfd):
+    import glob
+
+    import nbaccel
+    from nbaccel.core.errors import RankFailedError
+
+    with pytest.raises(RankFailedError):
+        nbaccel.notebook_launcher(fails_silently, num_processes=1, progress="text")
+    out = capfd.readouterr().out
+    assert "full output of every rank: " in out, out  # as a launch that printed says
+    folder = out.split("full output of every rank: ", 1)[1].split("/rank*.log", 1)[0]
+    (log,) = glob.glob(f"{folder}/rank0.stderr.log")
+    with open(log) as f:
+        text = f.read()
+    assert 'raise ValueError("bad batch")' in text and "ValueError: bad batch" in text

@@ -174,6 +174,8 @@ class Relay:
                 original=load_exception(event.exception),
             )
             self.record_failure(event.rank, error, summary.removeprefix("raised "))
+            if event.traceback:  # in the rank's log, as a script's stderr has it: named at the end
+                self._logs.file(event.rank, "stderr").write(event.traceback.encode())
 
     def record_failure(self, rank: int, error: RankFailedError, line: str) -> None:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""
