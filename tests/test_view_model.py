@@ -6,10 +6,17 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 from nbaccel.core.launch_state import LaunchInfo, LaunchState, RankState, RankStatus
 from nbaccel.core.local_traceback import Renderer, render_launch_error
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.ui import chart, panes, summary, table
+from tests.fresh_boot import fresh_boot_clock  # noqa: F401 - a fixture, used below
+
+# Each test runs at the real clock and as on a machine booted a second ago: the view model's
+# readers take ``now``, so hand-picked times mean the same whatever the machine's uptime.
+pytestmark = pytest.mark.usefixtures("fresh_boot_clock")
 
 
 def make_state(n: int = 2, t0: float = 1000.0) -> LaunchState:
@@ -71,7 +78,7 @@ def test_run_total_from_epoch_bar_times_batches():
     assert rank.run_progress() == (50, 1000, "steps")
     eta = rank.eta(now=1001.0)
     assert eta is not None and 17 < eta < 20  # 950 steps at 50/s
-    line = summary.run_line(state)
+    line = summary.run_line(state, now=1001.0)
     assert "step 50/1,000" in line and "epoch 0/10" in line and "ETA" in line
 
 
@@ -85,15 +92,15 @@ def test_rate_never_blank_once_steps_arrive():
 
 
 def test_straggler_is_a_rank_20_percent_below_the_median():
-    t0 = time.monotonic() - 4.5  # the tables below are rendered at the real "now"
+    t0 = 1000.0
     state = make_state(3, t0)
     for r, steps, step_time in ((0, 400, 0.01), (1, 400, 0.01), (2, 200, 0.02)):
         run_epochs(state.ranks[r], t0, epochs=1, steps=steps, step_time=step_time)
     assert state.stragglers(now=t0 + 4) == {2}
-    html = table.table_html(state)
+    html = table.table_html(state, now=t0 + 4.5)
     assert "data-rank='2'" in html and "nbaccel-straggler" in html
     assert re.search(r"data-rank='2'[^>]*data-straggler='1'", html)
-    assert "(straggler)" in summary.summary_text(state)
+    assert "(straggler)" in summary.summary_text(state, now=t0 + 4.5)
 
 
 def test_stall_after_quiet_period_asks_for_stacks_once():
@@ -110,7 +117,7 @@ def test_stall_after_quiet_period_asks_for_stacks_once():
         '  File "/tmp/ipykernel_1/2.py", line 7 in train\n'
     )
     state.ranks[0].last_advance = 1001.0
-    text = summary.stall_text(state)
+    text = summary.stall_text(state, now=1032.0)
     assert "no rank has advanced" in text and "rank 0: waiting in all_reduce" in text
     assert "rank 1: no stack yet" in text
 
@@ -118,14 +125,14 @@ def test_stall_after_quiet_period_asks_for_stacks_once():
 def test_effective_settings_replace_the_launch_settings_in_the_banner():
     state = make_state(1)
     state.ranks[0].effective = {"mixed_precision": "bf16", "strategy": "ddp", "device": "cpu"}
-    assert "mixed_precision=bf16 (set in code)" in summary.headline(state)
-    assert "data-precision='bf16'" in table.header_html(state)
+    assert "mixed_precision=bf16 (set in code)" in summary.headline(state, now=1001.0)
+    assert "data-precision='bf16'" in table.header_html(state, now=1001.0)
 
 
 def test_summary_cells_are_left_aligned_for_jupyterlab():
     state = make_state(2)
     state.ranks[1].status = RankStatus.STOPPED
-    html = summary.summary_html(state)
+    html = summary.summary_html(state, now=1001.0)
     assert "text-align:right" not in html
     assert all("text-align:left" in td for td in re.findall(r"<td[^>]*>", html))
 
@@ -168,7 +175,7 @@ def test_metrics_status_and_rate_columns_wrap_the_others_do_not():
     for r in state.ranks.values():
         r.metrics = {"loss": 2.37, "lr": 0.01, "grad_norm": 1.5, "tokens": 512.0}
         r.ended_at = r.started_at + 42  # elapsed "42.0 s"
-    live, final = table.table_html(state), summary.summary_html(state)
+    live, final = table.table_html(state, now=1050.0), summary.summary_html(state, now=1050.0)
     for html in (live, final):
         cells = re.findall(r"<td style='([^']*)'>[^<]*loss=", html)
         assert cells and all("white-space:normal" in c for c in cells), html
@@ -260,13 +267,13 @@ def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
 def test_table_shows_the_metrics_sample_the_charts_were_drawn_from():
     state = make_state(1)
     rank = state.ranks[0]
-    rank.on_metrics(10, {"loss": 0.5})
+    rank.on_metrics(10, {"loss": 0.5}, now=1001.0)
     svg = chart.metrics_charts({0: rank.history})
     snapshot = {0: dict(rank.metrics)}
-    rank.on_metrics(20, {"loss": 0.25})  # arrives after the charts were drawn
-    html = table.table_html(state, svg, snapshot)
+    rank.on_metrics(20, {"loss": 0.25}, now=1002.0)  # arrives after the charts were drawn
+    html = table.table_html(state, 1002.0, svg, snapshot)
     assert "loss=0.5" in html and "loss=0.25" not in html
-    assert "loss=0.25" in table.table_html(state)  # without a chart: the latest
+    assert "loss=0.25" in table.table_html(state, now=1002.0)  # without a chart: the latest
 
 
 def test_text_view_repeats_a_stall_notice_only_when_it_doubles_or_moves(capsys):
@@ -306,3 +313,101 @@ def test_a_ranks_cell_ends_with_a_status_line_only_when_it_ran_long(capsys):
         view.finish()
         out = capsys.readouterr().out
         assert out == ("nbaccel: rank 1 finished in 12.0 s · RSS 300 MiB\n" if shown else ""), out
+
+
+def test_header_says_what_the_launch_waits_for_and_its_clock_ticks():
+    state = make_state(2)
+    state.waiting_for, state.waiting_since = "fork server: importing torch._dynamo", 1000.0
+    first, later = table.header_html(state, now=1001.4), table.header_html(state, now=1002.9)
+    assert "waiting for fork server: importing torch._dynamo (1.4 s)" in first
+    assert "(2.9 s)" in later and "elapsed <b>2.9 s</b>" in later  # the clock ticks
+    assert "data-outcome='waiting'" in first
+    state.waiting_since = 1000.5  # waited 30 s and more: still not a stall
+    assert summary.stall_text(state, now=1040.0) == ""
+    state.waiting_for = None  # the ranks are starting
+    assert "waiting" not in table.header_html(state, now=1003.0)
+
+
+def test_text_view_says_what_it_waits_for_once_per_change_and_when_the_wait_doubles(capsys):
+    from nbaccel.ui.text import TextView
+
+    state = make_state(2, t0=time.monotonic())
+    view = TextView(progress_interval=0.0)
+    view.start(state)
+    capsys.readouterr()
+    state.waiting_for, state.waiting_since = "fork server: importing torch", time.monotonic() - 1.4
+    for _ in range(5):  # updates every 0.25 s or faster while waiting
+        view.update()
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and re.fullmatch(
+        r"nbaccel: waiting for fork server: importing torch \(1\.[45] s\)", out[0]
+    ), out
+    state.waiting_for = "fork server: importing torch._dynamo"
+    view.update()
+    view.update()
+    assert capsys.readouterr().out.count("importing torch._dynamo (") == 1
+    state.waiting_since -= 10.0  # the same wait went on: said again once it doubled
+    view.update()
+    view.update()
+    assert capsys.readouterr().out.count("importing torch._dynamo (11.") == 1
+
+
+def test_text_view_prints_an_unchanged_run_line_once(capsys):
+    from nbaccel.ui.text import TextView
+
+    state = make_state(1, t0=time.monotonic())
+    view = TextView(progress_interval=0.0)
+    view.start(state)
+    state.ranks[0].on_progress(0, 0, 50, "train", 0.0)  # the first step is slow (compiling)
+    for _ in range(4):
+        view.update()
+        time.sleep(0.01)
+    out = capsys.readouterr().out
+    assert out.count("nbaccel run: step 0/50") == 1, out
+    state.ranks[0].on_progress(0, 1, 50, "train", 3.0)
+    view.update()
+    assert capsys.readouterr().out.count("nbaccel run: step 1/50") == 1
+
+
+def test_eta_holds_still_while_a_step_takes_long():
+    rank = make_state(1).ranks[0]
+    rank.on_progress(0, 0, 100, None, 0.0, now=1000.0)
+    for n in range(1, 21):  # 20 steps at 10 a second
+        rank.on_progress(0, n, 100, None, n / 10, now=1000.0 + n / 10)
+    at_last_step = rank.eta(now=1002.0)
+    assert at_last_step is not None and 7.5 < at_last_step < 8.5  # 80 steps at 10/s
+    assert rank.eta(now=1020.0) == at_last_step  # 18 s into a long step: not 20 s more
+    rank.on_progress(0, 21, 100, None, 20.0, now=1020.0)  # the long step ended: measured again
+    assert rank.eta(now=1020.0) != at_last_step
+
+
+def test_no_stall_while_a_rank_compiles_and_the_row_says_it_compiles():
+    state = make_state(2)
+    state.stall_after = 30
+    state.ranks[0].on_compiling(True, now=1001.0)  # rank 1 waits for it in a collective
+    assert summary.stall_text(state, now=1100.0) == ""
+    assert "</span> (compiling 1:39)" in table.table_html(state, now=1100.0)
+    assert "running (compiling 1:39)" in summary.summary_text(state, now=1100.0)
+    state.ranks[0].on_compiling(False, now=1120.0)
+    assert summary.stall_text(state, now=1140.0) == ""  # quiet counts from the compile's end
+    assert "no rank has advanced for 30.0 s" in summary.stall_text(state, now=1150.0)
+
+
+def test_a_ranks_cell_keeps_each_ranks_burst_of_lines_together(capsys):
+    from nbaccel.ui.cell_view import BURST_QUIET, CellView
+
+    state = make_state(2, t0=time.monotonic())
+    view = CellView()
+    view.start(state)
+    for i in range(3):  # both ranks print a three-line block at once; their lines arrive mixed
+        view.output(0, "stdout", [f"rank 0 line {i}"])
+        view.output(1, "stdout", [f"rank 1 line {i}"])
+        view.update()
+    assert capsys.readouterr().out == ""  # the bursts are still coming
+    time.sleep(BURST_QUIET + 0.05)
+    view.update()
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[rank{r}] rank {r} line {i}" for r in (0, 1) for i in range(3)], out
+    view.output(1, "stdout", ["last words"])
+    view.finish()  # the cell ended: nothing is held back
+    assert capsys.readouterr().out == "[rank1] last words\n"

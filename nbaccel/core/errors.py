@@ -72,7 +72,9 @@ class RankFailedError(LaunchError):
         if self.cause:
             text = f"{self.cause}; rank {self.rank} (of {self.world_size}) then {self.summary}"
         if self.remote_traceback:
-            body = self.remote_traceback.rstrip("\n")
+            from nbaccel.core.local_traceback import with_cell_names
+
+            body = with_cell_names(self.remote_traceback.rstrip("\n"))
             text += (
                 f"\n\n--- rank {self.rank} traceback ---\n{body}\n--- end of rank {self.rank} ---"
             )

@@ -114,7 +114,16 @@ class RankSettings:
     gradient_accumulation_steps: int
 
 
-Event = Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings
+@dataclasses.dataclass
+class Compiling:
+    """``torch.compile`` started (``active``) or finished compiling in the rank: a long first
+    step that is no stall."""
+
+    rank: int
+    active: bool
+
+
+Event = Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings | Compiling
 
 
 class _Channel:

@@ -157,6 +157,7 @@ class RankState:
     rss: int | None = None  # resident memory in bytes, sampled by the kernel
     gpu_memory: int | None = None  # bytes on the GPU, where CUDA
     effective: dict[str, str] = dataclasses.field(default_factory=dict)  # what the rank runs
+    compiling_since: float | None = None  # torch.compile is compiling in the rank since then
     _window: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=400), repr=False
     )
@@ -189,9 +190,9 @@ class RankState:
         elif self.ended_at is None:
             self.ended_at = now
 
-    @property
-    def elapsed(self) -> float:
-        return (self.ended_at or time.monotonic()) - self.started_at
+    def elapsed(self, now: float) -> float:
+        """Seconds since the rank started, to ``now`` or to its end."""
+        return (now if self.ended_at is None else self.ended_at) - self.started_at
 
     @property
     def bar(self) -> BarState | None:
@@ -240,24 +241,33 @@ class RankState:
             self.last_advance = now
             self._window.append((now, self.steps))
 
-    def on_metrics(self, step: int | None, values: dict[str, float]) -> None:
+    def on_metrics(
+        self, step: int | None, values: dict[str, float], now: float | None = None
+    ) -> None:
         self.metrics.update(values)
         self.history.append((step if step is not None else len(self.history), dict(values)))
-        self.note_activity()
+        self.note_activity(now)
+
+    def on_compiling(self, active: bool, now: float | None = None) -> None:
+        """``torch.compile`` started or finished compiling: not a stall either way."""
+        now = time.monotonic() if now is None else now
+        self.compiling_since = now if active else None
+        self.note_activity(now)
 
     def note_activity(self, now: float | None = None) -> None:
         """The rank did something (output, metrics): not stalled, even where it has no bars."""
         self.last_advance = time.monotonic() if now is None else now
 
-    # -- read by the views ------------------------------------------------------------------
+    # -- read by the views: each is told the time (``now``, monotonic), never reads a clock ---
 
-    def step_rate(self, now: float | None = None) -> float | None:
+    def step_rate(self, now: float) -> float | None:
         """Steps a second over the last ``RATE_WINDOW`` seconds, across bars (so it carries on
         over epoch boundaries); ``None`` before the first step. A quiet spell lowers it
-        gradually; after a spell longer than the window it is the whole run's average."""
+        gradually; after a spell longer than the window it is the whole run's average. A rank
+        that has ended is measured at its end."""
         if self.steps == 0 or not self._window:
             return None
-        now = (self.ended_at or time.monotonic()) if now is None else now
+        now = now if self.ended_at is None else self.ended_at
         window = [(t, s) for t, s in self._window if now - t <= RATE_WINDOW]
         if len(window) >= 2 and window[-1][1] > window[0][1]:
             (t0, s0), (_, s1) = window[0], window[-1]
@@ -265,7 +275,7 @@ class RankState:
         t_first, s_first = self._window[0]
         return (self.steps - s_first) / max(now - t_first, 1e-3)
 
-    def sample_rate(self, now: float | None = None) -> float | None:
+    def sample_rate(self, now: float) -> float | None:
         """Samples a second, where bars say how many samples a step is."""
         rate = self.step_rate(now)
         if rate is None or not self.samples or not self.steps:
@@ -292,11 +302,17 @@ class RankState:
             return current.n, current.total, "steps"
         return self.steps, None, "steps"
 
-    def eta(self, now: float | None = None) -> float | None:
-        """Seconds to the end of the run (or of the current bar, when that is all that is known)."""
+    def eta(self, now: float) -> float | None:
+        """Seconds to the end of the run (or of the current bar, when that is all that is known).
+
+        Measured at the rank's last step, so a long step (``torch.compile`` compiling, an
+        evaluation) holds the ETA where it was instead of pushing it up every second; the next
+        step measures again.
+        """
         if self.done:
             return None
-        rate = self.step_rate(now)
+        last_step = self._window[-1][0] if self._window else now
+        rate = self.step_rate(min(now, last_step))
         done, total, _ = self.run_progress()
         if rate and total is not None:
             return max(0.0, (total - done) / rate)
@@ -327,9 +343,13 @@ class LaunchState:
     waiting_for: str | None = None
     waiting_since: float | None = None
 
-    @property
-    def elapsed(self) -> float:
-        return (self.ended_at or time.monotonic()) - self.started_at
+    def elapsed(self, now: float) -> float:
+        """Seconds since the launch started, to ``now`` or to its end.
+
+        >>> LaunchState(None, {}, started_at=10.0).elapsed(now=12.5)
+        2.5
+        """
+        return (now if self.ended_at is None else self.ended_at) - self.started_at
 
     def log_path(self, rank: int, stream: str) -> str | None:
         """The file with every byte ``rank`` wrote to ``stream`` (None before its folder exists).
@@ -344,43 +364,42 @@ class LaunchState:
     def _ordered(self) -> list[RankState]:
         return sorted(self.ranks.values(), key=lambda r: r.rank)
 
-    def stragglers(self, now: float | None = None) -> set[int]:
+    def stragglers(self, now: float) -> set[int]:
         """Ranks whose step rate is ``STRAGGLER_SLOWER`` or more below the median (a rank that
         has ended is judged by its rate when it ended)."""
-        rates = {r.rank: r.step_rate(None if r.done else now) for r in self._ordered()}
+        rates = {r.rank: r.step_rate(now) for r in self._ordered()}
         known = {k: v for k, v in rates.items() if v is not None}
         if len(known) < 2:
             return set()
         median = statistics.median(known.values())
         return {k for k, v in known.items() if v <= (1 - STRAGGLER_SLOWER) * median}
 
-    def stalled_for(self, now: float | None = None) -> float | None:
-        """Seconds since any running rank last advanced, when that is ``stall_after`` or more."""
-        if self.ended_at is not None or self.outcome is not None:
+    def stalled_for(self, now: float) -> float | None:
+        """Seconds since any running rank last advanced, when that is ``stall_after`` or more
+        (never while the launch still waits for something before its ranks run)."""
+        if self.ended_at is not None or self.outcome is not None or self.waiting_for is not None:
             return None
         running = [r for r in self.ranks.values() if not r.done]
-        if not running:
-            return None
-        now = time.monotonic() if now is None else now
-        last = max(max(r.last_advance or 0.0, r.started_at) for r in running)
+        if not running or any(r.compiling_since is not None for r in running):
+            return None  # a rank that compiles holds the others up: no stall to report
+        last = max(max(r.started_at, r.last_advance or r.started_at) for r in running)
         quiet = now - last
         if quiet < self.stall_after:
             return None
         self.longest_stall = max(self.longest_stall, quiet)
         return quiet
 
-    def wants_stacks(self, now: float | None = None) -> bool:
+    def wants_stacks(self, now: float) -> bool:
         """Whether the relay should ask the ranks for their stacks now: once per stall."""
         quiet = self.stalled_for(now)
         if quiet is None:
             return False
-        now = time.monotonic() if now is None else now
         if self.stacks_requested_at is not None and self.stacks_requested_at >= now - quiet:
             return False  # already asked during this stall
         self.stacks_requested_at = now
         return True
 
-    def run_line(self, now: float | None = None) -> dict[str, object]:
+    def run_line(self, now: float) -> dict[str, object]:
         """The run as a whole: steps done/total (the slowest rank), summed rates, overall ETA."""
         ranks = self._ordered()
         progress = [r.run_progress() for r in ranks if r.bars]

@@ -21,7 +21,7 @@ import linecache
 import os
 import re
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<name>.+))?$')
@@ -59,6 +59,26 @@ def parse_frames(text: str) -> list[Frame]:
         if m:
             frames.append(Frame(m["file"], int(m["line"]), m["name"]))
     return frames
+
+
+def with_cell_names(text: str, label_for: Callable[[str], str | None] | None = None) -> str:
+    """``text`` (a formatted traceback) with each notebook cell's file named as IPython names
+    it: ``File "/tmp/ipykernel_1/2.py", line 3, in f`` becomes ``Cell In[7], line 3, in f``,
+    so the plain text (``str(error)``, a saved notebook's ``evalue``) says what the rendered
+    traceback says. ``label_for``: file name -> label or None (default: the kernel's cells).
+
+    >>> with_cell_names('  File "/tmp/x.py", line 3, in f', {"/tmp/x.py": "Cell In[7]"}.get)
+    '  Cell In[7], line 3, in f'
+    """
+    label_for = label_for or cell_label
+    lines = text.split("\n")
+    for i, raw in enumerate(lines):
+        m = _FRAME.match(raw)
+        label = label_for(m["file"]) if m else None
+        if m and label:
+            where = raw[: m.start("file") - len('File "')] + f"{label}, line {m['line']}"
+            lines[i] = where + (f", in {m['name']}" if m["name"] else "")
+    return "\n".join(lines)
 
 
 def is_nbaccel_file(filename: str) -> bool:

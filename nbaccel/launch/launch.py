@@ -235,7 +235,7 @@ class Launch:
         if failure is not None and not self._stopping.is_set():
             raise failure
         if self._stopping.is_set():
-            raise LaunchStoppedError(len(self.plan.specs), state.elapsed)
+            raise LaunchStoppedError(len(self.plan.specs), state.elapsed(time.monotonic()))
         return relay.payloads
 
     # -- the handle of a background launch --------------------------------------------------
@@ -311,5 +311,7 @@ class Launch:
 
     def __repr__(self) -> str:
         ranks = ", ".join(f"rank {r} {s}" for r, s in self.ranks.items())
-        elapsed = f", {self.state.elapsed:.1f} s" if self.state is not None else ""
+        elapsed = (
+            f", {self.state.elapsed(time.monotonic()):.1f} s" if self.state is not None else ""
+        )
         return f"<nbaccel.Launch {self.status}: {ranks}{elapsed}>"

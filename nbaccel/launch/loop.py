@@ -77,7 +77,7 @@ def follow(relay: Relay, job: Job) -> None:
             if deadline is not None and time.monotonic() > deadline:
                 deadline = None  # once
                 job.on_timeout()
-            if relay.state.wants_stacks():
+            if relay.state.wants_stacks(time.monotonic()):
                 relay.group.send_signal(job.running(), STACK_DUMP_SIGNAL)
             relay.view.update()
         except KeyboardInterrupt:

@@ -159,9 +159,9 @@ class RanksMagics(Magics):
         self.auto = False
 
     def _cmd_status(self, words: list[str]) -> Any:
-        if self.session is None:
-            raise UsageError("no ranks; run `%ranks start -n 2` first.")
-        return self.session.status()
+        from nbaccel.launch.session_status import StatusTable, rank_rows
+
+        return StatusTable(rank_rows(self.session))  # before a start as after a stop
 
     def _cmd_pull(self, words: list[str]) -> None:
         __tracebackhide__ = True

@@ -153,6 +153,8 @@ class Relay:
             rank.on_progress(e.bar_id, e.n, e.total, e.desc, e.elapsed, e.closed, e.unit_scale)
         elif isinstance(event, events.Metrics):
             rank.on_metrics(event.step, event.values)
+        elif isinstance(event, events.Compiling):
+            rank.on_compiling(event.active)
         elif isinstance(event, events.RankSettings):
             rank.effective = {k: str(v) for k, v in vars(event).items() if k != "rank"}
         elif isinstance(event, events.Result):
@@ -172,6 +174,8 @@ class Relay:
                 original=load_exception(event.exception),
             )
             self.record_failure(event.rank, error, summary.removeprefix("raised "))
+            if event.traceback:  # in the rank's log, as a script's stderr has it: named at the end
+                self._logs.file(event.rank, "stderr").write(event.traceback.encode())
 
     def record_failure(self, rank: int, error: RankFailedError, line: str) -> None:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""

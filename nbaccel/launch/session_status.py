@@ -20,9 +20,14 @@ def _mib(n: int | None) -> str:
 
 
 def rank_rows(ranks: Any) -> list[dict[str, str]]:
-    """The status of each rank of a :class:`~nbaccel.launch.session.Ranks` session."""
-    if not ranks.started:
-        state = f"broken: {ranks.broken}" if ranks.broken else "not running"
+    """The status of each rank of a :class:`~nbaccel.launch.session.Ranks` session (``None``:
+    none was started yet).
+
+    >>> rank_rows(None)[0]["state"]
+    'not running'
+    """
+    if ranks is None or not ranks.started:
+        state = f"broken: {ranks.broken}" if ranks is not None and ranks.broken else "not running"
         return [
             {"rank": "-", "pid": "-", "device": "-", "RSS": "-", "GPU memory": "-", "state": state}
         ]

@@ -97,6 +97,8 @@ class ProgressBar:
                 total = len(iterable)  # type: ignore[arg-type]
             except (TypeError, AttributeError):
                 total = None
+        if not _stepping_only and not disable:
+            _step_aside()  # the function shows its own progress: the optimizer's count goes
         self.iterable = iterable
         self.total = total
         self.desc = desc
@@ -217,6 +219,8 @@ class ProgressBar:
         )
         if closed:
             flush()  # metrics logged before the bar ended arrive before it does
+        elif _pending:  # logged since the last send (e.g. once per epoch): with this progress,
+            _ship(self.rank, block=False)  # not with the next log() call an epoch later
         events.emit(event, block=force)
         self._seen = _tick[0]
         _ensure_ticker()
@@ -379,8 +383,93 @@ def _drain(block: bool) -> None:
 
 
 def flush() -> None:
-    """Send metrics still held back (waiting for the kernel if it must). The rank's entry point
-    calls this before it reports its result."""
+    """Send metrics still held back (waiting for the kernel if it must), and the optimizer's
+    step count's last state. The rank's entry point calls this before it reports its result."""
+    global _step_bar
     rank = events.current_rank()
     if rank is not None:
         _ship(rank, block=True)
+    bar, _step_bar = _step_bar, None  # a later ``%%ranks`` cell counts again
+    if isinstance(bar, ProgressBar):
+        bar.close()
+
+
+# -- progress for loops that report none: the optimizer's steps ---------------------------------
+
+# A loop ported as it is (no ``nbaccel.progress``, no tqdm) still steps an optimizer: torch's
+# global step hook counts those steps as the rank's progress, so the rank's row has a count and a
+# rate. The first bar the function opens itself takes over (``_step_aside``) for the rest of the
+# function: its own bars say more (totals, epochs).
+STEP_BAR_DESC = "optimizer steps"
+_STEPPED_ASIDE = object()
+_step_bar: Any = None  # None, the ProgressBar counting steps, or _STEPPED_ASIDE
+_stepping_only = False  # set while the step bar itself is being made
+_step_optimizer: int | None = None  # id() of the optimizer that is counted (the first to step)
+_epoch_steps: int | None = None  # optimizer steps in the epoch a prepared loader started
+
+
+def loader_started(batches: int | None, accumulation_steps: int = 1) -> None:
+    """A prepared loader starts an epoch of ``batches``: the optimizer's step count (where it is
+    the rank's progress) starts again, with ``batches / accumulation_steps`` as its total."""
+    global _step_bar, _epoch_steps
+    if _step_bar is _STEPPED_ASIDE or events._channel is None:
+        return
+    bar, _step_bar = _step_bar, None
+    if isinstance(bar, ProgressBar):
+        bar.close()  # the previous epoch's
+    _epoch_steps = None if batches is None else -(-batches // max(1, accumulation_steps))
+
+
+def _step_aside() -> None:
+    global _step_bar
+    bar, _step_bar = _step_bar, _STEPPED_ASIDE
+    if isinstance(bar, ProgressBar):
+        bar.close()
+
+
+def _count_optimizer_step(optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
+    """torch's optimizer step post hook: one step of the rank's training (of the first optimizer
+    that steps, so a GAN's two optimizers are not counted twice)."""
+    global _step_bar, _stepping_only, _step_optimizer
+    bar = _step_bar
+    if bar is None:
+        if events._channel is None:
+            return
+        _step_optimizer = id(optimizer)
+        _stepping_only = True
+        try:
+            bar = _step_bar = ProgressBar(total=_epoch_steps, desc=STEP_BAR_DESC)
+        finally:
+            _stepping_only = False
+    elif bar is _STEPPED_ASIDE or id(optimizer) != _step_optimizer:
+        return
+    bar.update(1)
+
+
+def count_optimizer_steps(optimizer_module: Any) -> None:
+    """Count the rank's optimizer steps as its progress (``torch.optim.optimizer`` given)."""
+    optimizer_module.register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+# -- torch.compile: a long step that is no stall -------------------------------------------------
+
+
+def _compile_started(*_: Any) -> None:
+    rank = events.current_rank()
+    if rank is not None:
+        events.emit(events.Compiling(rank=rank, active=True))
+
+
+def _compile_ended(*_: Any) -> None:
+    rank = events.current_rank()
+    if rank is not None:
+        events.emit(events.Compiling(rank=rank, active=False))
+
+
+def report_compiles(callback_module: Any) -> None:
+    """Tell the kernel when ``torch.compile`` compiles in this rank (``torch._dynamo.callback``
+    given), so a long first step is not shown as a stall."""
+    handler = callback_module.callback_handler
+    if _compile_started not in handler.start_callbacks:
+        handler.register_start_callback(_compile_started)
+        handler.register_end_callback(_compile_ended)

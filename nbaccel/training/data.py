@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from nbaccel.rank import reporting
 from nbaccel.training import iterable, ops, xla
 from nbaccel.training.accumulation import GradientState
 from nbaccel.training.process import ProcessState
@@ -195,6 +196,9 @@ class PreparedDataLoader:
         source = self._loader if self._sampler else self._dealt(self._skip)
         self.end_of_dataloader, self.remainder = False, self._last_step_size()
         self.position, self._skip = self._skip, 0
+        if not self._gs.iterating:  # an epoch: the step count's total, where that is progress
+            total = len(self) if self._sampler is not None else None
+            reporting.loader_started(total and total - self.position, self._gs.accumulation_steps)
         self._gs.iterating.append(self)
         try:
             yield from self._batches(source)

@@ -24,13 +24,17 @@ from nbaccel.ui.formats import format_bytes, format_seconds
 from nbaccel.ui.text import TextView
 
 LONG_CELL = 10.0  # s: a cell that ran this long ends with a status line
+# A rank's lines are held until its burst is over (this long without a new line from it, or
+# BURST_HOLD after its first held line), so two ranks' multi-line prints do not mix line by line.
+BURST_QUIET = 0.1  # s
+BURST_HOLD = 0.5  # s
 
 
 def _ranks(numbers: list[int]) -> str:
     return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(map(str, numbers))
 
 
-def cell_status(state: LaunchState) -> str:
+def cell_status(state: LaunchState, now: float) -> str:
     """The cell's ranks in one line: what each did, how long the cell took, their memory.
 
     ``ranks 0, 1 finished in 12.3 s · RSS 410 MiB, 415 MiB``, or
@@ -44,7 +48,7 @@ def cell_status(state: LaunchState) -> str:
         errors = {state.ranks[n].error_line for n in numbers} - {None}
         why = f" ({next(iter(errors))})" if len(errors) == 1 else ""
         parts.append(f"{_ranks(numbers)} {status}{why}")
-    text = ", ".join(parts) + f" in {format_seconds(state.elapsed)}"
+    text = ", ".join(parts) + f" in {format_seconds(state.elapsed(now))}"
     memory = [r.rss for r in sorted(state.ranks.values(), key=lambda r: r.rank)]
     if any(m is not None for m in memory):
         text += " · RSS " + ", ".join(format_bytes(m) for m in memory)
@@ -68,6 +72,7 @@ class CellView(TextView):
         self._widgets = widgets and show_progress
         self._dashboard: Any = None
         self._session_state: LaunchState | None = None
+        self._held: dict[tuple[int, str], tuple[list[str], float, float]] = {}  # lines, first, last
 
     def start(self, state: LaunchState) -> None:
         self._session_state = state
@@ -79,8 +84,23 @@ class CellView(TextView):
         self._state = dataclasses.replace(state, ranks=ranks)
         self._last_progress = time.monotonic()
 
+    def _write(self, rank: int, stream: str, lines: list[str]) -> None:
+        """Hold ``lines`` with the rest of the rank's burst (released by :meth:`_release`)."""
+        now = time.monotonic()
+        held, first, _ = self._held.get((rank, stream), ([], now, now))
+        self._held[(rank, stream)] = (held + lines, first, now)
+
+    def _release(self, now: float | None) -> None:
+        """Print the bursts that are over (every one when ``now`` is None), in rank order."""
+        for key in sorted(self._held):
+            lines, first, last = self._held[key]
+            if now is None or now - last >= BURST_QUIET or now - first >= BURST_HOLD:
+                del self._held[key]
+                super()._write(*key, lines)
+
     def update(self) -> None:
         self._sync()
+        self._release(time.monotonic())
         super().update()
         state = self._state
         if state is None or not self._widgets:
@@ -100,12 +120,14 @@ class CellView(TextView):
 
     def finish(self) -> None:
         self._sync()
+        self._release(None)
         self._print_skipped(force=True)
-        state = self._state
+        self._release(None)
+        state, now = self._state, time.monotonic()
         if self._dashboard is not None:
             self._dashboard.finish()  # its summary's first line is the status
-        elif state is not None and (state.elapsed >= LONG_CELL or state.longest_stall):
-            print(f"nbaccel: {cell_status(state)}")
+        elif state is not None and (state.elapsed(now) >= LONG_CELL or state.longest_stall):
+            print(f"nbaccel: {cell_status(state, now)}")
         self._flush()
 
     def _sync(self) -> None:

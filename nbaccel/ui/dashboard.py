@@ -12,12 +12,19 @@ thousands of times a second on many ranks. The dashboard coalesces all changes a
 every ``MIN_INTERVAL`` seconds, within a budget of ``MESSAGE_RATE`` messages a second for the whole
 dashboard (a token bucket), so the rate stays bounded whatever the step rate or rank count.
 
+Why widgets are kept between launches: each widget is one comm (three with its layout and style
+models), and opening and closing the ~59 of a two-rank dashboard cost ~25 ms of every relaunch.
+A finished launch's widgets (their place in the cell taken by the static summary) wait as spares
+(``SPARES`` sets at most), and the next launch with the same ranks shows them again, reset.
+
 Works with ipywidgets 8 and 7.7 (Colab's): the show/hide switch of the panes needs ipywidgets 8's
 ``Stack``; with 7.x the panes are always shown.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +40,40 @@ MIN_INTERVAL = 0.15  # seconds between pushes
 MESSAGE_RATE = 14.0  # widget messages per second, whole dashboard (display messages aside)
 BURST = 4  # messages that may go at once after a quiet spell
 CHART_INTERVAL = 1.0  # seconds between chart redraws; SVG is the largest part of a message
+SPARES = 2  # sets of a finished launch's widgets kept for the next launches (module docstring)
+
+
+@dataclasses.dataclass
+class _Widgets:
+    """One dashboard's widgets: shown by one launch at a time, then kept for the next."""
+
+    ranks: tuple[int, ...]  # the ranks with a pane
+    root: Any
+    table: Any
+    panes: dict[int, panes.PaneView]
+    toggles: dict[int, Any]  # rank -> its pane's show/hide switch (ipywidgets 8)
+    made: list[Any]  # every widget made for it, to close when it is not kept
+
+
+_spare: list[_Widgets] = []
+_spare_lock = threading.Lock()  # background launches start and finish in their own threads
+
+
+def _take_spare(ranks: tuple[int, ...]) -> _Widgets | None:
+    with _spare_lock:
+        for i, spare in enumerate(_spare):
+            if spare.ranks == ranks:
+                return _spare.pop(i)
+    return None
+
+
+def _keep_spare(widgets: _Widgets) -> bool:
+    """Keep ``widgets`` for a later launch, unless ``SPARES`` sets are kept already."""
+    with _spare_lock:
+        if len(_spare) < SPARES:
+            _spare.append(widgets)
+            return True
+    return False
 
 
 class Dashboard:
@@ -44,10 +85,10 @@ class Dashboard:
     """
 
     def __init__(
-        self, panes: bool = True, title: Callable[[LaunchState], str] | None = None
+        self, panes: bool = True, title: Callable[[LaunchState, float], str] | None = None
     ) -> None:
         """``panes=False``: no output panes (the caller prints the ranks' lines); ``title``:
-        the summary's first line (of the state) instead of the launch's headline, and then
+        the summary's first line (of the state and the time) instead of the launch's headline, and then
         no launch header either."""
         self._with_panes, self._title = panes, title
         self._state: LaunchState | None = None
@@ -63,6 +104,7 @@ class Dashboard:
         self._shown_failed: set[int] = set()
         self._widgets: list[Any] = []
         self._toggles: dict[int, Any] = {}
+        self._set_of: _Widgets | None = None
         self._handle: Any = None
         self._memory = MemorySampler()
         self.messages_sent = 0  # widget updates pushed, for tests and curiosity
@@ -70,27 +112,45 @@ class Dashboard:
     # -- the View protocol ------------------------------------------------------------------
 
     def start(self, state: LaunchState) -> None:
-        import ipywidgets as w
         from IPython.display import display
 
         self._state = state
-        ranks = sorted(state.ranks) if self._with_panes else []
+        now = time.monotonic()
+        ranks = tuple(sorted(state.ranks)) if self._with_panes else ()
         self._outputs = {r: panes.PaneBuffer() for r in ranks}
-        self._table = self._make(w.HTML, value=self._table_html(time.monotonic()))
-        self._panes: dict[int, panes.PaneView] = {}
+        widgets = _take_spare(ranks)
+        if widgets is None:
+            widgets = self._build(ranks, self._table_html(now))
+        else:  # a finished launch's, shown again: reset to this launch's first frame
+            widgets.table.value = self._table_html(now)
+            for toggle in widgets.toggles.values():
+                toggle.value = 0  # shown, whatever was clicked last time
+        self._set_of, self._widgets = widgets, widgets.made
+        self._table, self._panes, self._toggles = widgets.table, widgets.panes, widgets.toggles
+        for r, pane in self._panes.items():
+            pane.clear()
+            for widget, name, value in pane.changes(self._outputs[r]):
+                if getattr(widget, name) != value:
+                    setattr(widget, name, value)  # before it is displayed
+        self._handle = display(widgets.root, display_id=True)
+        self._refilled_at = self._last_push = time.monotonic()
+
+    def _build(self, ranks: tuple[int, ...], table: str) -> _Widgets:
+        """The dashboard's widgets, made once and kept across launches (module docstring)."""
+        import ipywidgets as w
+
+        self._widgets, self._toggles = [], {}
+        self._table = self._make(w.HTML, value=table)
+        made_panes: dict[int, panes.PaneView] = {}
         boxes = []
         for r in ranks:
-            pane = self._panes[r] = panes.PaneView(r, self._make)
-            for widget, name, value in pane.changes(self._outputs[r]):
-                setattr(widget, name, value)  # before it is displayed
+            pane = made_panes[r] = panes.PaneView(r, self._make)
             boxes.append(self._pane_box(w, r, pane.widget))
         pane_grid = self._make(w.HBox, children=boxes, layout={"flex_flow": "row wrap"})
         children = [self._table, pane_grid] if boxes else [self._table]
-        self._root = self._make(w.VBox, children=children, layout={"width": "100%"})
-        self._root.add_class("nbaccel-dashboard")
-        self._handle = display(self._root, display_id=True)
-        now = time.monotonic()
-        self._refilled_at = self._last_push = now
+        root = self._make(w.VBox, children=children, layout={"width": "100%"})
+        root.add_class("nbaccel-dashboard")
+        return _Widgets(ranks, root, self._table, made_panes, self._toggles, self._widgets)
 
     def output(self, rank: int, stream: str, lines: list[str]) -> None:
         if self._state is not None and rank in self._state.ranks:
@@ -115,20 +175,24 @@ class Dashboard:
         if self._state is None:
             return
         self._memory.sample(self._state, force=True)
-        self._push(time.monotonic(), final=True)
+        now = time.monotonic()
+        self._push(now, final=True)
         outputs = {r: buf.lines() for r, buf in self._outputs.items()}
         dropped = {r: buf.dropped for r, buf in self._outputs.items()}
-        title = self._title(self._state) if self._title is not None else None
+        title = self._title(self._state, now) if self._title is not None else None
         bundle = {
-            "text/plain": summary_text(self._state, outputs, title, dropped=dropped),
+            "text/plain": summary_text(self._state, now, outputs, title, dropped=dropped),
             "text/html": summary_html(
-                self._state, outputs, charts=True, title=title, dropped=dropped
+                self._state, now, outputs, charts=True, title=title, dropped=dropped
             ),
         }
         if self._handle is not None:
             self._handle.update(bundle, raw=True)
-        close_widgets(self._widgets)  # the views are gone; free the models too
-        self._widgets = []
+        # The views are gone (the summary took their place): keep the models for the next
+        # launch, or free them.
+        if self._set_of is None or not _keep_spare(self._set_of):
+            close_widgets(self._widgets)
+        self._widgets, self._set_of = [], None
 
     # -- pushing, within the budget ---------------------------------------------------------
 
@@ -202,7 +266,7 @@ class Dashboard:
             self._chart_key, self._last_chart = key, now
             self._chart_svg = metrics_charts({r.rank: r.history for r in state.ranks.values()})
             self._chart_metrics = {r.rank: dict(r.metrics) for r in state.ranks.values()}
-        return table_html(state, self._chart_svg, self._chart_metrics, self._title is None)
+        return table_html(state, now, self._chart_svg, self._chart_metrics, self._title is None)
 
 
 def close_widgets(widgets: list[Any]) -> None:

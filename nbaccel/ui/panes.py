@@ -120,6 +120,12 @@ class PaneView:
         self._blocks: dict[int, Any] = {}  # block number -> the widget showing it
         self._free: list[Any] = []  # block widgets scrolled out, to show newer blocks
 
+    def clear(self) -> None:
+        """Forget what the blocks show (a new launch shows the pane again): each is free for
+        the next lines, and ``changes`` sets what they show."""
+        self._free += self._blocks.values()
+        self._blocks = {}
+
     def changes(self, buffer: PaneBuffer, log: str | None = None) -> list[tuple[Any, str, Any]]:
         """(widget, trait, value) to set so the pane shows ``buffer`` (``log``: the file with
         every line, named where lines were dropped). Unchanged values cost nothing to set."""

@@ -41,12 +41,12 @@ def format_count(rank: RankState) -> str:
     return f"{desc}{bar.n}{total}"
 
 
-def format_rate(rank: RankState) -> str:
+def format_rate(rank: RankState, now: float) -> str:
     """``12.3 it/s`` (and samples/s where the bars know their batch size), or ``-``."""
-    rate = rank.step_rate()
+    rate = rank.step_rate(now)
     if rate is None:
         return "-"
-    samples = rank.sample_rate()
+    samples = rank.sample_rate(now)
     return f"{rate:.3g} it/s" + (f", {format_si(samples)} samples/s" if samples else "")
 
 
@@ -60,18 +60,25 @@ def format_memory(rank: RankState) -> str:
     return ", ".join(parts) or "-"
 
 
-def format_progress(rank: RankState) -> str:
+def compiling_note(rank: RankState, now: float) -> str:
+    """`` (compiling 12.0 s)`` while ``torch.compile`` compiles in the rank, else ""."""
+    if rank.compiling_since is None or rank.done:
+        return ""
+    return f" (compiling {format_seconds(max(0.0, now - rank.compiling_since))})"
+
+
+def format_progress(rank: RankState, now: float) -> str:
     """Bar and rate in one: ``train: 120/500 41.2 it/s``."""
-    rate = format_rate(rank)
+    rate = format_rate(rank, now)
     return format_count(rank) + ("" if rate == "-" else f" {rate}")
 
 
-def run_line(state: LaunchState) -> str:
+def run_line(state: LaunchState, now: float) -> str:
     """The whole run in one line: steps done/total, epoch, summed rates, overall ETA.
 
     ``run: step 300/1,000 · epoch 3/10 · 82.5 it/s · 660 samples/s (all ranks) · ETA 8.5 s``
     """
-    facts = state.run_line()
+    facts = state.run_line(now)
     total = facts["total"]
     parts = [f"step {facts['steps']:,}" + (f"/{total:,}" if total is not None else "")]
     if facts["epoch"] is not None:
@@ -90,9 +97,25 @@ def run_line(state: LaunchState) -> str:
     return "run: " + " · ".join(parts)
 
 
-def stall_text(state: LaunchState) -> str:
+def waiting_text(state: LaunchState, now: float) -> str:
+    """What the launch waits for before its ranks run, with how long it has waited so far
+    ("" once it waits for nothing).
+
+    >>> from nbaccel.core.launch_state import LaunchState
+    >>> state = LaunchState(None, {}, waiting_for="fork server: importing torch._dynamo")
+    >>> state.waiting_since = 100.0
+    >>> waiting_text(state, now=101.4)
+    'fork server: importing torch._dynamo (1.4 s)'
+    """
+    if state.waiting_for is None:
+        return ""
+    since = state.started_at if state.waiting_since is None else state.waiting_since
+    return f"{state.waiting_for} ({format_seconds(max(0.0, now - since))})"
+
+
+def stall_text(state: LaunchState, now: float) -> str:
     """``no rank has advanced for 42 s`` plus where each rank waits, or "" while all is well."""
-    quiet = state.stalled_for()
+    quiet = state.stalled_for(now)
     if quiet is None:
         return ""
     lines = [f"stalled? no rank has advanced for {format_seconds(quiet)}"]
@@ -215,10 +238,10 @@ def settings_changed(state: LaunchState) -> str:
     return ", ".join(changed)
 
 
-def _rows(state: LaunchState) -> tuple[list[str], list[list[str]]]:
+def _rows(state: LaunchState, now: float) -> tuple[list[str], list[list[str]]]:
     """Header and rows; the progress, memory and metrics columns only where some rank has them."""
     ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
-    slow = state.stragglers()
+    slow = state.stragglers(now)
     with_progress = any(r.bars for r in ranks)
     with_memory = any(r.rss is not None or r.gpu_memory is not None for r in ranks)
     with_metrics = any(r.metrics for r in ranks)
@@ -226,11 +249,12 @@ def _rows(state: LaunchState) -> tuple[list[str], list[list[str]]]:
     header += ["memory"] * with_memory + ["elapsed"] + ["metrics"] * with_metrics
     rows = []
     for rank in ranks:
-        status = str(rank.status) + (f" ({STRAGGLER_MARK})" if rank.rank in slow else "")
+        status = str(rank.status) + compiling_note(rank, now)
+        status += f" ({STRAGGLER_MARK})" if rank.rank in slow else ""
         status += f": {rank.error_line}" if rank.error_line else ""
         row = [str(rank.rank), status]
-        row += [format_count(rank), format_rate(rank)] * with_progress
-        row += [format_memory(rank)] * with_memory + [format_seconds(rank.elapsed)]
+        row += [format_count(rank), format_rate(rank, now)] * with_progress
+        row += [format_memory(rank)] * with_memory + [format_seconds(rank.elapsed(now))]
         row += [format_metrics(rank.metrics) or "-"] * with_metrics
         rows.append(row)
     return header, rows
@@ -244,14 +268,15 @@ def logs_line(state: LaunchState) -> str:
     return f"full output of every rank: {state.log_folder}/rank*.log{problem}"
 
 
-def headline(state: LaunchState) -> str:
+def headline(state: LaunchState, now: float) -> str:
     outcome = state.outcome or "running"
-    took = format_seconds(state.elapsed)
+    took = format_seconds(state.elapsed(now))
     return f"nbaccel: {describe(state)} — {outcome}; launch took {took} (start to last exit)"
 
 
 def summary_text(
     state: LaunchState,
+    now: float,
     outputs: dict[int, list[str]] | None = None,
     title: str | None = None,
     dropped: dict[int, int] | None = None,
@@ -259,12 +284,12 @@ def summary_text(
     """The table as aligned text; with ``outputs`` (rank -> lines), each rank's last lines too.
     ``title`` replaces the launch's headline; ``dropped`` (rank -> count): lines printed before
     ``outputs`` that were not kept."""
-    header, body = _rows(state)
+    header, body = _rows(state, now)
     rows = [header, *body]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [headline(state) if title is None else title]
+    lines = [headline(state, now) if title is None else title]
     if any(r.bars for r in state.ranks.values()):
-        lines.append("  " + run_line(state))
+        lines.append("  " + run_line(state, now))
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if state.longest_stall:
         lines.append(f"  {stall_summary(state)}")
@@ -333,6 +358,7 @@ def output_html(rank: int, lines: list[str], label: str, not_kept: str = "") -> 
 
 def summary_html(
     state: LaunchState,
+    now: float,
     outputs: dict[int, list[str]] | None = None,
     charts: bool = False,
     title: str | None = None,
@@ -342,7 +368,7 @@ def summary_html(
     (:func:`output_html`; ``dropped`` as for :func:`summary_text`), so a saved notebook keeps
     what the live dashboard showed. ``title`` replaces the launch's headline (a ``%%ranks``
     cell's status), and then the log folder goes unsaid: the cell shows its lines itself."""
-    header, rows = _rows(state)
+    header, rows = _rows(state, now)
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in header)
     body = []
     for cells, rank in zip(rows, sorted(state.ranks.values(), key=lambda r: r.rank)):
@@ -357,7 +383,7 @@ def summary_html(
         )
     extra = ""
     if any(r.bars for r in state.ranks.values()):
-        extra = f"<div class='nbaccel-run'>{html.escape(run_line(state))}</div>"
+        extra = f"<div class='nbaccel-run'>{html.escape(run_line(state, now))}</div>"
     if state.longest_stall:
         extra += f"<div class='nbaccel-stall'>{html.escape(stall_summary(state))}</div>"
     if logs_line(state) and title is None:
@@ -380,5 +406,5 @@ def summary_html(
     )
     return (
         f"<div class='nbaccel-summary'><div style='font-weight:600'>"
-        f"{html.escape(headline(state) if title is None else title)}</div>{extra}{table}{after}</div>"
+        f"{html.escape(headline(state, now) if title is None else title)}</div>{extra}{table}{after}</div>"
     )

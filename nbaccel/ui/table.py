@@ -16,6 +16,7 @@ from nbaccel.ui.summary import (
     STRAGGLER_MARK,
     WRAP_CELL,
     WRAPPING,
+    compiling_note,
     describe,
     format_count,
     format_memory,
@@ -23,12 +24,13 @@ from nbaccel.ui.summary import (
     format_rate,
     run_line,
     stall_text,
+    waiting_text,
 )
 
 COLUMNS = ("rank", "status", "progress", "", "rate", "ETA", "memory", "elapsed", "metrics")
 
 
-def header_html(state: LaunchState) -> str:
+def header_html(state: LaunchState, now: float) -> str:
     """What runs: processes, devices, the precision/strategy the ranks report, elapsed."""
     info = state.info
     devices = info.device
@@ -38,7 +40,10 @@ def header_html(state: LaunchState) -> str:
         gpus = hardware.detect().gpus[: info.num_processes]
         names = sorted({g.name for g in gpus})
         devices = f"{len(gpus)}× {', '.join(names)}" if names else "cuda"
-    outcome = state.outcome or ("running" if any(not r.done for r in state.ranks.values()) else "")
+    waiting = waiting_text(state, now)
+    outcome = state.outcome or (
+        "waiting" if waiting else "running" if any(not r.done for r in state.ranks.values()) else ""
+    )
     reported = [r.effective for r in state.ranks.values() if r.effective]
     first = reported[0] if reported else {}
     precision = first.get("mixed_precision", info.mixed_precision)
@@ -53,9 +58,11 @@ def header_html(state: LaunchState) -> str:
         ("precision", precision),
         ("strategy", strategy),
         ("grad. accumulation", accumulation),
-        ("elapsed", format_seconds(state.elapsed)),
+        ("elapsed", format_seconds(state.elapsed(now))),
     ]
     cells = " · ".join(f"{k} <b>{html.escape(str(v))}</b>" for k, v in items)
+    if waiting:  # the first seconds of a launch: say what they go to, the clock ticking
+        cells += f" · <span class='nbaccel-waiting'>waiting for {html.escape(waiting)}</span>"
     return (
         f"<div class='nbaccel-header' data-outcome='{html.escape(str(outcome))}' "
         f"data-precision='{html.escape(precision)}' title='{html.escape(describe(state))}' "
@@ -63,7 +70,9 @@ def header_html(state: LaunchState) -> str:
     )
 
 
-def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None = None) -> str:
+def row_html(
+    rank: RankState, straggler: bool, now: float, metrics: dict[str, float] | None = None
+) -> str:
     """One rank's row; ``metrics`` (default: the latest) lets the row show the values the
     charts were drawn from."""
     colour = STATUS_COLOURS.get(rank.status, "inherit")
@@ -85,13 +94,14 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
     )
     cells = [
         f"rank {rank.rank}",
-        f"<span style='color:{colour};font-weight:600'>{rank.status}</span>{mark}",
+        f"<span style='color:{colour};font-weight:600'>{rank.status}</span>"
+        f"{html.escape(compiling_note(rank, now))}{mark}",
         html.escape(format_count(rank)),
         meter,
-        html.escape(format_rate(rank)),
-        format_seconds(rank.eta()),
+        html.escape(format_rate(rank, now)),
+        format_seconds(rank.eta(now)),
         html.escape(format_memory(rank)),
-        format_seconds(rank.elapsed),
+        format_seconds(rank.elapsed(now)),
         html.escape(format_metrics(rank.metrics if metrics is None else metrics) or "-"),
     ]
     tds = "".join(
@@ -103,7 +113,7 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
     row = (
         f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}' "
         f"data-n='{n}' data-total='{'' if total is None else total}' "
-        f"data-rate='{html.escape(format_rate(rank))}' data-straggler='{int(straggler)}' "
+        f"data-rate='{html.escape(format_rate(rank, now))}' data-straggler='{int(straggler)}' "
         f"style='{style}'>{tds}</tr>"
     )
     if failed and rank.error_line:
@@ -117,6 +127,7 @@ def row_html(rank: RankState, straggler: bool, metrics: dict[str, float] | None 
 
 def table_html(
     state: LaunchState,
+    now: float,
     charts: str = "",
     metrics: dict[int, dict[str, float]] | None = None,
     header: bool = True,
@@ -125,20 +136,21 @@ def table_html(
     values), so the table and the charts show the same sample. ``header=False`` leaves out
     what the launch runs (a ``%%ranks`` cell's progress needs no launch header)."""
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in COLUMNS)
-    slow = state.stragglers()
+    slow = state.stragglers(now)
     ranks = sorted(state.ranks.values(), key=lambda r: r.rank)
-    rows = "".join(row_html(r, r.rank in slow, (metrics or {}).get(r.rank)) for r in ranks)
+    rows = "".join(row_html(r, r.rank in slow, now, (metrics or {}).get(r.rank)) for r in ranks)
     run = ""
     if any(r.bars for r in ranks):
-        run = f"<div class='nbaccel-run' style='margin:2px 0'>{html.escape(run_line(state))}</div>"
-    stall = stall_text(state)
+        line = html.escape(run_line(state, now))
+        run = f"<div class='nbaccel-run' style='margin:2px 0'>{line}</div>"
+    stall = stall_text(state, now)
     if stall:
         stall = (
             "<pre class='nbaccel-stall' style='color:#9a6700;background:rgba(212,167,44,0.12);"
             f"margin:2px 0;padding:2px 4px'>{html.escape(stall)}</pre>"
         )
     return (
-        f"<div class='nbaccel-live'>{header_html(state) if header else ''}{run}{stall}"
+        f"<div class='nbaccel-live'>{header_html(state, now) if header else ''}{run}{stall}"
         "<table style='border-collapse:collapse;font-family:monospace;font-size:12px;margin:0'>"
         f"<tr>{head}</tr>{rows}</table>{charts}</div>"
     )

@@ -21,6 +21,7 @@ from nbaccel.ui.summary import (
     settings_changed,
     stall_text,
     summary_text,
+    waiting_text,
 )
 
 PARTIAL_QUIET = 1.0  # seconds an unfinished line (``\r`` progress) waits before it is printed
@@ -49,6 +50,8 @@ class TextView:
         self._partial: dict[tuple[int, str], tuple[str, float]] = {}
         self._printed_partial: dict[tuple[int, str], str] = {}
         self._stall_shown, self._stall_reprint_at = "", 0.0
+        self._printed_run = ""
+        self._wait_shown, self._wait_shown_at, self._wait_reprint_at = "", 0.0, 0.0
         self._settings_shown = False
         self._memory = MemorySampler()
         self._budget = OutputBudget()
@@ -109,6 +112,7 @@ class TextView:
         self._print_skipped()
         self._print_quiet_partials(now)
         self._print_settings()
+        self._print_waiting(now)
         if now - self._last_flush >= 0.1:
             self._flush()
             self._last_flush = now
@@ -119,33 +123,58 @@ class TextView:
             return
         self._last_progress = now
         state = self._state
-        if any(r.bars for r in state.ranks.values()):
-            _say(f"nbaccel {run_line(state)}")
-        slow = state.stragglers()
+        line = run_line(state, now) if any(r.bars for r in state.ranks.values()) else ""
+        if line and line != self._printed_run:  # a slow step does not print it again and again
+            self._printed_run = line
+            _say(f"nbaccel {line}")
+        slow = state.stragglers(now)
         for rank in sorted(state.ranks.values(), key=lambda r: r.rank):
-            if rank.bar is None and not rank.metrics:
+            compiling = rank.compiling_since is not None and not rank.done
+            if rank.bar is None and not rank.metrics and not compiling:
                 continue
-            parts = [format_progress(rank), format_metrics(rank.metrics)]
+            parts = [format_progress(rank, now) if rank.bar else "", format_metrics(rank.metrics)]
+            parts.append("compiling (torch.compile)" if compiling else "")
             parts.append("" if rank.rss is None else format_memory(rank))
             parts.append(f"<- {STRAGGLER_MARK}" if rank.rank in slow else "")
             text = " ".join(p for p in parts if p).strip()
             if self._printed_progress.get(rank.rank) != text:
                 self._printed_progress[rank.rank] = text
                 _say(f"{self._label(rank.rank)}progress: {text}")
-        self._print_stall(state)
+        self._print_stall(state, now)
 
-    def _print_stall(self, state: LaunchState) -> None:
+    def _print_stall(self, state: LaunchState, now: float) -> None:
         """The stall notice when a stall starts, when where the ranks wait changes, and each
         time the stall has doubled in length; not every interval (a log would fill up)."""
-        stall = stall_text(state)
+        stall = stall_text(state, now)
         if not stall:
             self._stall_shown, self._stall_reprint_at = "", 0.0
             return
-        quiet = state.stalled_for() or 0.0
+        quiet = state.stalled_for(now) or 0.0
         where = stall.split("\n", 1)[-1]
         if where != self._stall_shown or quiet >= self._stall_reprint_at:
             self._stall_shown, self._stall_reprint_at = where, 2 * quiet
             _say(f"nbaccel: {stall}")
+
+    def _print_waiting(self, now: float) -> None:
+        """What the launch waits for before its ranks run, with its seconds: when that changes
+        (at most every ``progress_interval``), and each time the same wait has doubled."""
+        state = self._state
+        if state is None or state.waiting_for is None:
+            self._wait_shown = ""
+            return
+        since = state.waiting_since if state.waiting_since is not None else state.started_at
+        waited = now - since
+        changed = state.waiting_for != self._wait_shown
+        if changed and (
+            not self._wait_shown or now - self._wait_shown_at >= self.progress_interval
+        ):
+            self._wait_reprint_at = max(2 * waited, waited + self.progress_interval)
+        elif not changed and waited >= self._wait_reprint_at:
+            self._wait_reprint_at = 2 * waited
+        else:
+            return
+        self._wait_shown, self._wait_shown_at = state.waiting_for, now
+        _say(f"nbaccel: waiting for {waiting_text(state, now)}")
 
     def _print_quiet_partials(self, now: float) -> None:
         for key, (text, since) in list(self._partial.items()):
@@ -172,7 +201,7 @@ class TextView:
         self._print_settings()
         if self._state is not None and self.show_progress:
             self._memory.sample(self._state, force=True)
-            _say(summary_text(self._state))
+            _say(summary_text(self._state, time.monotonic()))
         self._flush()
 
     @staticmethod
