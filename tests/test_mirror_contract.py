@@ -4,6 +4,7 @@ modules; checked through the server (a rank forked from it), not by timing."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 import time
 
@@ -91,3 +92,114 @@ def test_a_kernel_that_imported_3000_modules_finds_them_all_in_the_server_after_
             f"nbaccel.notebook_launcher(in_server, args=({PREFIX[::-1]!r},), num_processes=1)",
         )
         assert found == len(names)
+
+
+def test_an_import_that_hangs_in_the_server_is_given_up_and_named_once(tmp_path):
+    # A package that waits, in a fresh interpreter, for something only the kernel had set up.
+    # Launches, even unrelated ones, once all waited ~120 s for it, and again after a Stop.
+    kernel, folder = user_site_kernel(tmp_path, env={"NBACCEL_MIRROR_IMPORT_DEADLINE": "3"})
+    with kernel:
+        (folder / "hangs_in_server.py").write_text(
+            "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(3600)\n"
+            "VALUE = 5\n"
+        )
+        value(kernel, "import nbaccel, nbaccel.launch.forkserver as _fs\n0")
+        value(kernel, "import nbaccel.core.mp_internals as _mp\n_fs.SERVER.wait_until_ready() or 0")
+        value(kernel, "import hangs_in_server\n0")  # the cell's end sends it to the server
+        value(kernel, "def plain():\n    return 7\n0")
+        cell = kernel.execute("nbaccel.notebook_launcher(plain, num_processes=1)", timeout=90)
+        assert cell.error is None, cell.error_text
+        assert eval(cell.results[-1]["text/plain"]) == 7
+        named = [line for line in cell.stderr.splitlines() if "hangs_in_server" in line]
+        assert len(named) == 1 and "took over 3 s" in named[0], cell.stderr
+        server = value(kernel, "_mp.forkserver_pid()")
+        uses = "def uses():\n    import hangs_in_server\n    return hangs_in_server.VALUE\n0"
+        value(kernel, uses)
+        for _ in range(2):  # the rank imports it itself; the fresh server is kept
+            cell = kernel.execute("nbaccel.notebook_launcher(uses, num_processes=1)", timeout=90)
+            assert cell.error is None, cell.error_text
+            assert eval(cell.results[-1]["text/plain"]) == 5
+            assert "hangs_in_server" not in cell.stderr, cell.stderr
+        assert value(kernel, "_mp.forkserver_pid()") == server
+        assert kernel.leftovers() == []
+
+
+NOISY = (
+    "import os, sys, warnings\n"
+    "if os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n"
+    "    sys.stdout.write(('noisy line from the server ' * 4 + '\\n') * 20000)\n"
+    "    warnings.warn('noisy warning from the server')\n"
+)
+
+
+def test_what_the_server_prints_goes_to_a_bounded_log_never_into_a_cell(tmp_path):
+    # It once put 2 MB on iopub, and its warning reappeared in the next, unrelated cell.
+    kernel, folder = user_site_kernel(tmp_path)
+    with kernel:
+        (folder / "prints_in_server.py").write_text(NOISY)
+        value(kernel, "import nbaccel, nbaccel.launch.forkserver as _fs\n0")
+        value(kernel, "import prints_in_server\n0")
+        cells = [kernel.execute("_fs.SERVER.mirror.wait()\n0", timeout=120)]
+        value(kernel, "def plain():\n    return 7\n0")
+        cells.append(kernel.execute("nbaccel.notebook_launcher(plain, num_processes=1)"))
+        cells.append(kernel.execute("1 + 1"))
+        for cell in cells:
+            assert cell.error is None, cell.error_text
+            assert "noisy" not in cell.stdout + cell.stderr
+        log = value(kernel, "_fs.SERVER.log_path")
+        assert f"see {log}" in cells[1].stderr  # the launch names it, once
+        assert "see " not in cells[2].stderr
+        with open(log, encoding="utf-8") as f:
+            text = f.read()
+        assert "noisy line from the server" in text and len(text) < 1024 * 1024 + 1000
+        assert "output past 1,048,576 bytes is not kept" in text
+
+
+def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_path):
+    kernel, folder = user_site_kernel(tmp_path)
+    with kernel:
+        module = folder / "edited_pkg.py"
+        module.write_text("VALUE = 1\n")
+        value(kernel, "import edited_pkg, nbaccel, nbaccel.launch.forkserver as _fs\n0")
+        value(kernel, "def f():\n    import edited_pkg\n    return edited_pkg.VALUE\n0")
+        value(kernel, "_fs.SERVER.mirror.wait()\n0")
+        assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=1)") == 1
+        module.write_text("VALUE = 22\n")  # (another size: the cached bytecode is not reused)
+        assert value(kernel, "importlib.reload(edited_pkg).VALUE") == 22
+        assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=2)") == 22
+        assert value(kernel, "_fs.SERVER.mirror.answers['edited_pkg']['ok']")
+
+
+def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(tmp_path):
+    # The view drew once and then nothing for seconds while the server imported torch and
+    # the function's packages; now it is told what is waited for, and updated meanwhile.
+    kernel, folder = user_site_kernel(tmp_path)
+    with kernel:
+        (folder / "slow_pkg.py").write_text(
+            "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(2)\n"
+        )
+        spy = """
+        import nbaccel.ui.text as _text
+        _heard = []
+        _update = _text.TextView.update
+        def _spy(self):
+            _heard.append((self._state.waiting_for, self._state.waiting_since is not None))
+            return _update(self)
+        _text.TextView.update = _spy
+        def f():
+            import slow_pkg
+            return 3
+        0
+        """
+        value(kernel, spy)
+        value(kernel, "import slow_pkg, nbaccel\n0")  # the server starts warming now
+        assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=1)") == 3
+        heard = value(kernel, "_heard")
+        waits = [w for w, _ in heard if w is not None]
+        assert any(w.startswith("fork server: importing torch") for w in waits), heard
+        for_function = re.compile(r"importing slow_pkg for your function \(\d+ of \d+ modules\)")
+        assert any(for_function.fullmatch(w) for w in waits), set(heard)
+        assert len(waits) >= 5  # about every 0.2 s, over ~2 s at least
+        assert all(since for w, since in heard if w is not None)
+        last = max(i for i, (w, _) in enumerate(heard) if w is not None)
+        assert heard[last + 1 :] and all(w is None for w, _ in heard[last + 1 :])  # cleared

@@ -186,7 +186,7 @@ class ForkServer:
                     file=sys.stderr,
                     flush=True,
                 )
-                held = None
+                held, names = None, []  # (listed again: without what broke it)
                 self._retire_serving()
                 self.ensure(self._launch_preloads(), restart=True)
             waiting(None)

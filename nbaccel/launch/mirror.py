@@ -219,7 +219,7 @@ class Mirror:
 
     def _queue(self, lines: list[str], names: list[str], resume: bool) -> None:
         with self._changed:
-            names = [n for n in names if n not in self.sent]
+            names = [n for n in names if n not in self.sent and n not in _never]
             self.sent.update(names)
             self.pending.update(dict.fromkeys(names))
             self._specs.update((n, _spec_of(n)) for n in names)
