@@ -80,7 +80,13 @@ def candidates(modules: dict[str, Any] | None = None) -> list[str]:
     >>> candidates({"json": json})  # the standard library is never mirrored
     []
     """
-    modules = sys.modules if modules is None else modules
+    if modules is None:
+        # Listed once per change of the kernel's modules (a launch, and the end of its cell,
+        # ask again: 3,000 modules with transformers): the count, the last loaded, the refusals.
+        key = (len(sys.modules), next(reversed(sys.modules), None), len(_never))
+        if _listed[0] != key:
+            _listed[:] = [key, candidates(dict(sys.modules))]
+        return list(_listed[1])
     names = []
     for name, module in list(modules.items()):
         verdict = _verdicts.get(name)
@@ -91,6 +97,7 @@ def candidates(modules: dict[str, Any] | None = None) -> list[str]:
     return names
 
 
+_listed: list[Any] = [None, []]  # [what sys.modules looked like, its candidates]
 # name → (module, whether it qualifies): a launch asks about every loaded module (thousands with
 # transformers), and finding a module's real path is a few system calls.
 _verdicts: dict[str, tuple[Any, bool]] = {}
