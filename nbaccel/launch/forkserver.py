@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 from nbaccel.core import mp_internals
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
+from nbaccel.core.mirror_protocol import ENV_SERVER_LOG
 from nbaccel.launch import containment, mirror
-from nbaccel.rank.server_log import ENV_LOG
 from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
@@ -126,7 +126,7 @@ class ForkServer:
             kernel_mirror = mirror.Mirror(mirror.candidates()) if in_kernel() else None
             env = {ENV_READY_FILE: marker, **(kernel_mirror.env() if kernel_mirror else {})}
             if kernel_mirror is not None:
-                env[ENV_LOG] = self._log()
+                env[ENV_SERVER_LOG] = self._log()
             if mp_internals.start_forkserver(list(wanted), restart=restart, env=env):
                 _discard(self._ready_marker)
                 self._ready_marker = marker

@@ -17,9 +17,9 @@ import os
 import threading
 from typing import BinaryIO
 
+from nbaccel.core.mirror_protocol import ENV_SERVER_LOG
 from nbaccel.rank.server_guard import in_fork_server
 
-ENV_LOG = "NBACCEL_SERVER_LOG"
 LIMIT = 1024 * 1024  # bytes of the server's output kept per server
 
 
@@ -62,5 +62,5 @@ def _close(read_end: int, log: BinaryIO) -> None:
         pass
 
 
-if in_fork_server() and os.environ.get(ENV_LOG):
-    redirect(os.environ[ENV_LOG])
+if in_fork_server() and os.environ.get(ENV_SERVER_LOG):
+    redirect(os.environ[ENV_SERVER_LOG])
