@@ -2,19 +2,21 @@
 so ranks find them loaded, and the conversation with the server (``nbaccel.rank.mirror``).
 
 What qualifies (:func:`candidates`): a module the kernel has loaded, in the order it loaded them,
-whose file lies in a site-packages folder (installed code, which a session does not edit), that
+whose file lies in a site-packages folder (installed code; one the kernel reloads is reloaded
+in the server too, before the next launch's ranks fork), that
 is no part of the kernel's side (``core.mirror_protocol.KERNEL_SIDE``), of the standard library
 or of nbaccel. The user's own modules (files in the working directory, on ``PYTHONPATH``,
 editable installs) are never mirrored: each rank imports them afresh, so one edited and reloaded
 in the kernel arrives edited.
 
 When names travel: those loaded before the server started go with it (a file it reads); after
-each cell, what the cell imported (``ForkServer.follow_kernel``, so the server imports it while the
-person writes the next cell); before ranks are forked, the names the launched function refers to (strings in its pickle: ``from
-transformers import Trainer`` in its body, a global module) go with ``HOLD`` and are waited for;
-after the forks, ``GO`` and the rest. So a launch waits only for imports its ranks would make
-themselves (the server makes each once, for every rank) and for the one import under way; from
-the next launch on, everything the kernel had is warm in every rank.
+each cell, what the cell imported (``ForkServer.follow_kernel``); before ranks are forked, the
+names the launched function refers to (strings in its pickle: ``from transformers import
+Trainer`` in its body, a global module) go with ``HOLD`` and are waited for; after the forks,
+``GO`` and the rest. A thread of the :class:`Mirror` reads the server's answers as they come,
+so the server imports everything while the person writes the next cell: a launch waits only
+for imports its ranks would make themselves (the server makes each once, for every rank) and
+for the one import under way, at most :func:`import_deadline` s.
 """
 
 from __future__ import annotations
