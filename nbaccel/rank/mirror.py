@@ -110,6 +110,7 @@ class _Lines:
         self.queue: collections.deque[str] = collections.deque()
         self.first: collections.deque[str] = collections.deque()
         self.holding, self.hold_number = False, 0
+        self.answered = 0  # the last hold answered "held"
         self.reload: set[str] = set()  # names in ``first`` to reload
         self._take(initial + b"\n")
 
@@ -172,12 +173,15 @@ def _answer_lines(sock: socket.socket, initial: bytes) -> None:
             if lines.first:
                 name = lines.first.popleft()
             elif lines.holding:
-                _send(sock, {"held": lines.hold_number})
-                # until GO (the kernel forks its ranks meanwhile), or a new HOLD from a kernel
-                # that gave up on this one (Ctrl-C)
-                while lines.holding and not lines.first:
-                    if not lines.read(block=True):
-                        return
+                if lines.answered != lines.hold_number:
+                    _send(sock, {"held": lines.hold_number})
+                    lines.answered = lines.hold_number
+                # until GO (the kernel forks its ranks meanwhile), or a new HOLD: the next
+                # launch's (its GO and that HOLD can arrive in one read: a HOLD with no names
+                # was never answered, and that launch waited forever) or one from a kernel that
+                # gave up on this one (Ctrl-C)
+                if not lines.read(block=True):
+                    return
                 continue
             elif lines.queue:
                 name = lines.queue.popleft()
