@@ -162,7 +162,8 @@ class Mirror:
         self._accepted = threading.Event()  # the server connected, or never will
         self.pending: collections.OrderedDict[str, None] = collections.OrderedDict.fromkeys(initial)
         self.sent = set(initial)
-        self._specs = {n: _spec_of(n) for n in initial}  # what was sent: reloaded since?
+        # name -> (its __spec__, when it was sent): reloaded in the kernel since?
+        self._specs = {n: (_spec_of(n), time.time()) for n in initial}
         self.answers: dict[str, dict[str, Any]] = {}
         self.held = self._holds = 0  # the last hold the server answered, the last asked for
         self.broken: str | None = None  # why this server must be replaced, once it must
@@ -200,7 +201,7 @@ class Mirror:
         with self._changed:
             self.sent.update(first)
             self.pending.update(dict.fromkeys(first))
-            self._specs.update((n, _spec_of(n)) for n in first)
+            self._specs.update((n, (_spec_of(n), time.time())) for n in first)
             self._holds += 1
             number = self._holds
         path = [] if sys.path == self._path else [_path_line(sys.path)]
@@ -231,21 +232,26 @@ class Mirror:
             names = [n for n in names if n not in self.sent and n not in _never]
             self.sent.update(names)
             self.pending.update(dict.fromkeys(names))
-            self._specs.update((n, _spec_of(n)) for n in names)
+            self._specs.update((n, (_spec_of(n), time.time())) for n in names)
         if lines or names:
             self._write([*lines, *names])
 
     def _reloaded(self) -> list[str]:
         """Names sent whose module the kernel has reloaded since (``importlib.reload`` gives
-        it a new ``__spec__``): the server's copy is the old code."""
+        it a new ``__spec__``) from a file changed since they were sent: the server's copy is
+        the old code. (A new ``__spec__`` alone is no reload: a package may set its own.)"""
         modules, stale = sys.modules, []
         with self._changed:
-            for name, spec in self._specs.items():
+            for name, (spec, sent_at) in self._specs.items():
                 module = modules.get(name)
-                if module is not None and getattr(module, "__spec__", spec) is not spec:
+                current = getattr(module, "__spec__", spec)
+                if module is None or current is spec:
+                    continue
+                self._specs[name] = (current, sent_at)
+                if _changed_since(module, sent_at):
                     stale.append(name)
             for name in stale:
-                self._specs[name] = _spec_of(name)
+                self._specs[name] = (self._specs[name][0], time.time())
                 self.pending[name] = None
         return stale
 
@@ -428,6 +434,13 @@ def import_deadline() -> float:
 
 def _spec_of(name: str) -> Any:
     return getattr(sys.modules.get(name), "__spec__", None)
+
+
+def _changed_since(module: Any, when: float) -> bool:
+    try:
+        return os.path.getmtime(module.__file__) >= when - 1.0  # (coarse file clocks)
+    except (OSError, TypeError):
+        return False
 
 
 def _reload_lines(names: list[str]) -> list[str]:
