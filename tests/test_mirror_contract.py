@@ -4,6 +4,7 @@ modules; checked through the server (a rank forked from it), not by timing."""
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 import time
@@ -158,6 +159,7 @@ def test_what_the_server_prints_goes_to_a_bounded_log_never_into_a_cell(tmp_path
             text = f.read()
         assert "noisy line from the server" in text and len(text) < 1024 * 1024 + 1000
         assert "output past 1,048,576 bytes is not kept" in text
+    os.unlink(log)  # (a kernel shut down runs no exit hook; the next one's sweep would)
 
 
 def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_path):

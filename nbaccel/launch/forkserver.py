@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import contextvars
 import functools
+import glob
 import multiprocessing
 import os
 import sys
@@ -198,10 +199,9 @@ class ForkServer:
 
     def _log(self) -> str:
         if self.log_path is None:
-            self.log_path = os.path.join(
-                tempfile.gettempdir(), f"nbaccel-fork-server-{os.getpid()}.log"
-            )
+            self.log_path = os.path.join(tempfile.gettempdir(), f"{_LOG_PREFIX}{os.getpid()}.log")
             atexit.register(_discard, self.log_path)
+            _sweep_logs()
         return self.log_path
 
     def _point_to_log(self) -> None:
@@ -399,6 +399,22 @@ class ForkServer:
         _discard(marker)
         if self._ready_marker == marker:
             self._ready_marker = None
+
+
+_LOG_PREFIX = "nbaccel-fork-server-"
+
+
+def _sweep_logs() -> None:
+    """Remove the fork-server logs of kernels that are gone (a killed kernel runs no atexit)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_LOG_PREFIX}*.log")):
+        try:
+            pid = int(os.path.basename(path)[len(_LOG_PREFIX) : -len(".log")])
+            if os.stat(path).st_uid == os.getuid():
+                os.kill(pid, 0)
+        except ProcessLookupError:
+            _discard(path)
+        except (ValueError, OSError, AttributeError):
+            continue
 
 
 def _tell(waiting: Callable[[str | None], None], words: Callable[[], str]) -> None:

@@ -24,40 +24,44 @@ LIMIT = 1024 * 1024  # bytes of the server's output kept per server
 
 
 def redirect(path: str, limit: int = LIMIT) -> None:
-    """Send this process's file descriptors 1 and 2 into ``path``, its first ``limit`` bytes."""
-    try:
-        log = open(path, "ab", buffering=0)  # noqa: SIM115 - the thread owns it for good
-    except OSError:
-        return  # the kernel's streams, as before
+    """Send this process's file descriptors 1 and 2 into ``path`` (made at the first byte), its
+    first ``limit`` bytes."""
     read_end, write_end = os.pipe()
     os.dup2(write_end, 1)
     os.dup2(write_end, 2)
     os.close(write_end)
+    log: list[BinaryIO] = []  # opened at the first byte: a quiet server leaves no file
     os.register_at_fork(after_in_child=lambda: _close(read_end, log))
     thread = threading.Thread(
-        target=_copy, args=(read_end, log, limit), name="nbaccel-server-log", daemon=True
+        target=_copy, args=(read_end, path, log, limit), name="nbaccel-server-log", daemon=True
     )
     thread.start()
 
 
-def _copy(read_end: int, log: BinaryIO, limit: int) -> None:
+def _copy(read_end: int, path: str, log: list[BinaryIO], limit: int) -> None:
     kept = 0
     while chunk := os.read(read_end, 65536):
         if kept >= limit:
             continue
-        log.write(chunk[: limit - kept])
+        if not log:
+            try:
+                log.append(open(path, "ab", buffering=0))  # noqa: SIM115 - kept for good
+            except OSError:
+                kept = limit  # nowhere to keep it: discarded, never blocking the writer
+                continue
+        log[0].write(chunk[: limit - kept])
         kept += len(chunk)
         if kept >= limit:
-            log.write(
-                f"\n[nbaccel: the fork server's output past {limit:,} bytes is not kept]\n".encode()
-            )
+            note = f"\n[nbaccel: the fork server's output past {limit:,} bytes is not kept]\n"
+            log[0].write(note.encode())
 
 
-def _close(read_end: int, log: BinaryIO) -> None:
+def _close(read_end: int, log: list[BinaryIO]) -> None:
     """In a rank: the server's log is not its own."""
     try:
         os.close(read_end)
-        log.close()
+        for f in log:
+            f.close()
     except OSError:
         pass
 
