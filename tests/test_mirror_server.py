@@ -47,3 +47,24 @@ def test_answers_wait_for_a_kernel_that_reads_late_and_a_hold_is_still_answered(
         thread.join(10)
         gc.unfreeze()  # each import froze this process's objects, as it does in the server
     assert not thread.is_alive()  # the kernel's end closed: the server's side ends
+
+
+def test_a_hold_that_arrives_with_the_previous_launchs_go_is_answered():
+    # Two launches in a row (two background launches at once): the first's GO and the second's
+    # HOLD, which names nothing, reach the server in one read. It once went on waiting for a GO
+    # without answering, and the second launch stayed "starting" for good.
+    kernel, server = socket.socketpair()
+    thread = threading.Thread(target=mirror._serve, args=(server, b""), daemon=True)
+    thread.start()
+    try:
+        kernel.sendall(f"{HOLD} 1\n".encode())
+        assert _answers(kernel, 1) == [{"held": 1}]
+        kernel.sendall(f"{GO}\n{HOLD} 2\n".encode())
+        assert _answers(kernel, 1, timeout=10) == [{"held": 2}]
+        kernel.sendall(f"{GO}\njson\n".encode())
+        assert _answers(kernel, 1)[0]["name"] == "json"
+    finally:
+        kernel.close()
+        thread.join(10)
+        gc.unfreeze()
+    assert not thread.is_alive()

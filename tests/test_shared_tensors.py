@@ -279,3 +279,29 @@ def test_a_model_argument_trains_exactly_as_when_pickled(monkeypatch):
     assert all(torch.equal(shared[k], pickled[k]) for k in shared)
     assert not torch.equal(shared["0.weight"], before["0.weight"])  # it did train...
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)  # ...its copy
+
+
+def _a_big_result(i):
+    import torch
+
+    return torch.full((BIG,), float(i))
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_kept_results_hold_no_file_descriptor_over_100_launches():
+    # Each kept result once held its mapping's duplicated descriptor: a long sweep whose results
+    # were kept reached the 1,024 limit.
+    kept = [nbaccel.notebook_launcher(_a_big_result, args=(0,), num_processes=1, progress=False)]
+    before = _open_fds()
+    for i in range(1, 101):
+        kept.append(
+            nbaccel.notebook_launcher(_a_big_result, args=(i,), num_processes=1, progress=False)
+        )
+    assert _open_fds() - before < 5  # (not one per kept result)
+    assert [float(t[0]) for t in kept] == [float(i) for i in range(101)]
+    assert not _mine()

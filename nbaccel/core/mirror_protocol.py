@@ -4,9 +4,11 @@ kernel's side is (never mirrored into a rank), and the lines both sides write.
 Kernel → server, one line each: a module name (import it, after those queued), ``HOLD n
 name...`` (import these first, then answer ``{"held": n}`` and import nothing more until
 ``GO``; ``n`` counts the kernel's holds, so an answer to one it gave up on is not taken for the
-next), or ``PATH [json list]`` (the kernel's ``sys.path``: CPython's fork server starts with
-the interpreter's own). Server → kernel: one JSON object per line, ``{"name", "ok", "error", "cuda",
-"seconds"}`` per import, ``{"held": n}`` once held.
+next), ``RELOAD name...`` (the kernel reloaded these: reload them, before anything queued), or
+``PATH [json list]`` (the kernel's ``sys.path``: CPython's fork server starts with the
+interpreter's own). Server → kernel: one JSON object per line, ``{"importing": name}`` as an
+import of a module not loaded yet begins (so the kernel knows what is under way, and for how
+long), ``{"name", "ok", "error", "cuda", "seconds"}`` as each ends, ``{"held": n}`` once held.
 
 >>> parse_line(b'{"held": 3}')
 {'held': 3}
@@ -19,7 +21,9 @@ from typing import Any
 
 ENV_ADDRESS = "NBACCEL_MIRROR_ADDRESS"  # the kernel's Unix socket, which the server connects to
 ENV_FILE = "NBACCEL_MIRROR_FILE"  # the names the kernel had when it started the server
-HOLD, GO, PATH = "HOLD", "GO", "PATH"
+# The file the fork server's own output goes to (``rank.server_log``), never into a cell.
+ENV_SERVER_LOG = "NBACCEL_SERVER_LOG"
+HOLD, GO, PATH, RELOAD = "HOLD", "GO", "PATH", "RELOAD"
 
 # Top-level packages of the kernel's own side: never imported by the mirror.
 KERNEL_SIDE = frozenset(

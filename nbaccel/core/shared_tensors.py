@@ -43,7 +43,7 @@ import tempfile
 import weakref
 from typing import Any
 
-from nbaccel.core import pickling
+from nbaccel.core import libc, pickling
 from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space
 
 MIN_BYTES = 256 * 1024  # smaller tensors pickle faster than a trip through shared memory
@@ -98,7 +98,7 @@ class _SegmentRef:
 class _Segment:
     """A mapped block on the loading side; tensors made from it keep the mapping alive."""
 
-    def __init__(self, mm: mmap.mmap) -> None:
+    def __init__(self, mm: Any) -> None:
         self.mm = mm
         self._bases: dict[int, Any] = {}
 
@@ -134,9 +134,38 @@ def _open_result(path: str) -> _Segment:
         ) from None
     try:
         os.unlink(path)  # from now on only this mapping holds the memory
-        return _Segment(mmap.mmap(fd, os.fstat(fd).st_size))
+        return _Segment(_map_shared(fd, os.fstat(fd).st_size))
     finally:
         os.close(fd)
+
+
+def _map_shared(fd: int, size: int) -> Any:
+    """A writable buffer over ``fd``'s first ``size`` bytes (shared), unmapped when the last
+    tensor or array made from it goes, that holds no file descriptor: ``mmap.mmap`` keeps a
+    duplicate of ``fd`` for as long as it lives, so each result kept in the kernel held one
+    (a long sweep of launches reached the 1,024 limit). Where the C library's ``mmap`` is not
+    at hand, ``mmap.mmap`` it is."""
+    c = libc.load()
+    if c is None or size == 0:
+        return mmap.mmap(fd, size)
+    c.mmap.restype = ctypes.c_void_p
+    c.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    c.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    address = c.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of a result's shared memory failed: {os.strerror(errno)}")
+    array = (ctypes.c_char * size).from_address(address)
+    # The array's views (torch and numpy keep the buffer they were made from) keep it, and it
+    # keeps the finaliser's owner: the pages go with the last of them.
+    array._unmap = weakref.finalize(array, _unmap, address, size)  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")
+
+
+def _unmap(address: int, size: int) -> None:
+    c = libc.load()
+    c.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    c.munmap(ctypes.c_void_p(address), size)
 
 
 def _rebuild_tensor(

@@ -10,8 +10,11 @@ rank finds the kernel's packages loaded, without ever sharing the kernel's proce
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import functools
+import glob
 import multiprocessing
 import os
 import sys
@@ -24,16 +27,19 @@ from typing import Any, TypeVar
 from nbaccel.core import mp_internals
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
+from nbaccel.core.mirror_protocol import ENV_SERVER_LOG
 from nbaccel.launch import containment, mirror
 from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
-# first (the server's own group, subreaper, kill its tree at exit), then the rule that ranks do
+# first (the server's own group, subreaper, kill its tree at exit), then its log (its output
+# goes to a file, never into a cell), then the rule that ranks do
 # not run the launching script again (rank.launching_script), then torch, then the
 # launch's own preloads, the mirror (its thread imports what the kernel has) and the ready
 # signal last.
 SERVER_PRELOAD = (
     "nbaccel.rank.server_guard",
+    "nbaccel.rank.server_log",
     "nbaccel.rank.launching_script",
     "nbaccel.rank.preload",
 )
@@ -92,6 +98,10 @@ class ForkServer:
         # Servers replaced while ranks of theirs ran: each keeps serving them, and is stopped
         # once the last has been reaped (pid -> what mp_internals.end_detached needs).
         self._retired: dict[int, tuple[int, int, Any]] = {}
+        # In a kernel, the servers' own output goes here (rank.server_log), never into a cell;
+        # how much of it a launch has pointed to already.
+        self.log_path: str | None = None
+        self._log_told = 0
 
     def ensure(self, extra_modules: tuple[str, ...] = (), restart: bool = False) -> None:
         """Start the fork server (or restart it when it lacks ``extra_modules``, or
@@ -116,6 +126,8 @@ class ForkServer:
             os.close(fd)
             kernel_mirror = mirror.Mirror(mirror.candidates()) if in_kernel() else None
             env = {ENV_READY_FILE: marker, **(kernel_mirror.env() if kernel_mirror else {})}
+            if kernel_mirror is not None:
+                env[ENV_SERVER_LOG] = self._log()
             if mp_internals.start_forkserver(list(wanted), restart=restart, env=env):
                 _discard(self._ready_marker)
                 self._ready_marker = marker
@@ -133,43 +145,82 @@ class ForkServer:
         return alive and not set(wanted) <= set(self.modules)
 
     @contextlib.contextmanager
-    def ranks_starting(self, specs: Sequence[RankSpec], start_method: str) -> Iterator[None]:
+    def ranks_starting(
+        self,
+        specs: Sequence[RankSpec],
+        start_method: str,
+        waiting: Callable[[str | None], None] = lambda what: None,
+    ) -> Iterator[None]:
         """Around the forks of a launch's ranks: wait until the server is ready and has
         imported the kernel's modules the function refers to; afterwards let it mirror the
-        rest.
+        rest. ``waiting`` hears, about every :data:`~nbaccel.launch.mirror.TICK` s, what is
+        waited for in words, and ``None`` once the ranks are starting.
 
-        A server that broke while mirroring (an import loaded CUDA, hung, or killed it) is
-        replaced by a fresh one first, which no longer imports that module; one that still
-        serves other ranks (a background launch, a ``%ranks`` session) is retired instead of
-        stopped, and serves them until they end. The wait is interruptible: no rank is started
-        yet. Other start methods have no server: nothing to do.
+        A server that broke while mirroring (an import loaded CUDA, took too long, or killed
+        it) is replaced by a fresh one first, which no longer imports that module; one that
+        still serves other ranks (a background launch, a ``%ranks`` session) is retired
+        instead of stopped, and serves them until they end. The wait is interruptible: no
+        rank is started yet. Other start methods have no server: nothing to do.
         """
         held = None
+        names: list[str] = []  # the kernel's candidates, listed once for the whole start
         try:
             for attempt in range(MIRROR_ATTEMPTS + 1 if start_method == "forkserver" else 0):
-                self.wait_until_ready()
-                current = (
-                    self.mirror if self.mirror is not None and self.mirror.connected() else None
-                )
-                if current is None or attempt == MIRROR_ATTEMPTS:
+                self.wait_until_ready(waiting=waiting)
+                current = self.mirror
+                if current is not None and current.broken is None and current.connected():
+                    if attempt == MIRROR_ATTEMPTS:
+                        break
+                    held = current
+                    names = names or mirror.candidates()
+                    first = mirror.needed(specs, names)
+                    words = functools.partial(current.hold_words, first)
+                    current.hold(first, tick=functools.partial(_tell, waiting, words))
+                    if held.broken is None:
+                        break
+                elif current is None or current.broken is None or attempt == MIRROR_ATTEMPTS:
                     break
-                held = current
-                held.hold(mirror.needed(specs))
-                if held.broken is None:
-                    break
+                broken = (held or current).broken if (held or current) else None
                 print(
-                    f"nbaccel: replacing the fork server ({held.broken}); that module is not "
+                    f"nbaccel: replacing the fork server ({broken}); that module is not "
                     "imported there any more",
                     file=sys.stderr,
                     flush=True,
                 )
-                held = None
+                held, names = None, []  # (listed again: without what broke it)
                 self._retire_serving()
                 self.ensure(self._launch_preloads(), restart=True)
+            waiting(None)
+            self._point_to_log()
             yield
         finally:  # also after Ctrl-C while waiting: a server left holding would mirror no more
             if held is not None and held.broken is None:
-                held.go(mirror.candidates())
+                held.go(names)
+
+    def _log(self) -> str:
+        if self.log_path is None:
+            self.log_path = os.path.join(tempfile.gettempdir(), f"{_LOG_PREFIX}{os.getpid()}.log")
+            atexit.register(_discard, self.log_path)
+            _sweep_logs()
+        return self.log_path
+
+    def _point_to_log(self) -> None:
+        """One line when the server wrote something (a package that prints or warns as it is
+        imported) since the last launch: where to read it."""
+        if self.log_path is None:
+            return
+        try:
+            size = os.path.getsize(self.log_path)
+        except OSError:
+            return
+        if size > self._log_told:
+            print(
+                f"nbaccel: the fork server wrote {size - self._log_told:,} bytes while importing "
+                f"your packages (a package's prints or warnings); see {self.log_path}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._log_told = size
 
     def _retire_serving(self) -> None:
         """Set the current server aside, still running, when ranks forked from it live: the
@@ -324,22 +375,59 @@ class ForkServer:
         finally:
             self.starts.release()
 
-    def wait_until_ready(self, poll: float = 0.02) -> None:
-        """Wait until the fork server started by :meth:`ensure` has finished importing.
+    def wait_until_ready(
+        self, poll: float = 0.02, waiting: Callable[[str | None], None] = lambda what: None
+    ) -> None:
+        """Wait until the fork server started by :meth:`ensure` has finished importing;
+        ``waiting`` hears what it imports ("fork server: importing torch._dynamo") about every
+        :data:`~nbaccel.launch.mirror.TICK` s meanwhile.
 
         Returns at once for a server that is ready (or that nbaccel did not start). The wait
         is interruptible: a ``KeyboardInterrupt`` here leaves no rank half-started, because
         none was asked for yet.
         """
         marker = self._ready_marker
+        told = 0.0
         while marker is not None and os.path.exists(marker):
             pid = mp_internals.forkserver_pid()
             if pid is None or not mp_internals.server_alive(pid):
                 break  # it died importing; starting a rank will start (and wait for) a new one
+            if time.monotonic() - told >= mirror.TICK:
+                told = time.monotonic()
+                waiting(f"fork server: importing {_importing(marker)}")
             time.sleep(poll)
         _discard(marker)
         if self._ready_marker == marker:
             self._ready_marker = None
+
+
+_LOG_PREFIX = "nbaccel-fork-server-"
+
+
+def _sweep_logs() -> None:
+    """Remove the fork-server logs of kernels that are gone (a killed kernel runs no atexit)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_LOG_PREFIX}*.log")):
+        try:
+            pid = int(os.path.basename(path)[len(_LOG_PREFIX) : -len(".log")])
+            if os.stat(path).st_uid == os.getuid():
+                os.kill(pid, 0)
+        except ProcessLookupError:
+            _discard(path)
+        except (ValueError, OSError, AttributeError):
+            continue
+
+
+def _tell(waiting: Callable[[str | None], None], words: Callable[[], str]) -> None:
+    waiting(words())
+
+
+def _importing(marker: str) -> str:
+    """What the warming server says it imports (``rank.preload`` writes it into the marker)."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            return f.read().strip() or "torch"
+    except OSError:
+        return "torch"
 
 
 # The process's one fork server (CPython's is process-wide).

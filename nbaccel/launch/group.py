@@ -16,6 +16,7 @@ import multiprocessing.connection
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -161,6 +162,9 @@ class RankGroup(StopSequence):
         self._kill_at: float | None = None  # set by begin_stop
         # (pid, command) of processes the ranks left running that reaping killed
         self.strays: list[tuple[int, str]] = []
+        # Hears what the start waits for before the forks (the fork server's imports), in
+        # words, about every 0.2 s, and None once the ranks are starting (a launch's view).
+        self.waiting: Callable[[str | None], None] = lambda what: None
 
     def start(self) -> None:
         """Start every rank; on any failure or Ctrl-C, stop those started and re-raise.
@@ -171,7 +175,10 @@ class RankGroup(StopSequence):
         """
         ctx = multiprocessing.get_context(self.start_method)
         try:
-            with self.server.starts, self.server.ranks_starting(self.specs, self.start_method):
+            with (
+                self.server.starts,
+                self.server.ranks_starting(self.specs, self.start_method, self.waiting),
+            ):
                 for spec in self.specs:
                     self._start_answered(ctx, spec)
         except KeyboardInterrupt as exc:

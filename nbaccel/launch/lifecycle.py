@@ -25,6 +25,7 @@ from nbaccel.core.errors import LaunchError
 from nbaccel.core.launch_state import LaunchState, Outcome, RankState
 from nbaccel.launch import forkserver, xla
 from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay
 from nbaccel.ui import View
@@ -47,8 +48,23 @@ class RankLifecycle:
             if plan.cluster is None
             else plan.cluster.make_group(plan.specs)  # ranks on a cluster (nbaccel.cluster)
         )
+        if isinstance(self.group, RankGroup):
+            self.group.waiting = self._waiting
         self.relay: Relay | None = None
         self._ended = False
+
+    def _waiting(self, what: str | None) -> None:
+        """The start waits for ``what`` (None: no more): the view's header says so, and its
+        clock ticks meanwhile."""
+        state = self.state
+        if what is None:
+            state.waiting_since = None
+        elif state.waiting_for is None:
+            state.waiting_since = time.monotonic()
+        if what is None and state.waiting_for is None:
+            return
+        state.waiting_for = what
+        self.view.update()
 
     def start(self) -> Relay:
         """Start every rank and return the relay reading them. On any failure, Ctrl-C

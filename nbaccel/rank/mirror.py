@@ -41,7 +41,16 @@ import traceback
 from typing import Any
 
 from nbaccel.core import libc
-from nbaccel.core.mirror_protocol import ENV_ADDRESS, ENV_FILE, GO, HOLD, PATH, encode, kernel_side
+from nbaccel.core.mirror_protocol import (
+    ENV_ADDRESS,
+    ENV_FILE,
+    GO,
+    HOLD,
+    PATH,
+    RELOAD,
+    encode,
+    kernel_side,
+)
 from nbaccel.rank.server_guard import in_fork_server
 
 _fork_lock = threading.Lock()
@@ -69,15 +78,18 @@ def cuda_loaded() -> bool:
     return any("libcuda.so" in path for path in libc.loaded_libraries())
 
 
-def import_one(name: str) -> dict[str, Any]:
-    """Import ``name`` here (no fork meanwhile), with the collector paused; what happened."""
+def import_one(name: str, reload: bool = False) -> dict[str, Any]:
+    """Import ``name`` here (no fork meanwhile; ``reload``: again, as the kernel did), with
+    the collector paused; what happened."""
     started = time.monotonic()
     answer: dict[str, Any] = {"name": name, "ok": True, "error": None, "cuda": False}
     with _fork_lock:
         collecting, loaded = gc.isenabled(), len(sys.modules)
         gc.disable()
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
+            if reload and loaded == len(sys.modules):  # (just imported: nothing to reload)
+                importlib.reload(module)
         except BaseException as exc:  # noqa: BLE001 - even SystemExit: skipped, never fatal
             answer.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
@@ -98,6 +110,8 @@ class _Lines:
         self.queue: collections.deque[str] = collections.deque()
         self.first: collections.deque[str] = collections.deque()
         self.holding, self.hold_number = False, 0
+        self.answered = 0  # the last hold answered "held"
+        self.reload: set[str] = set()  # names in ``first`` to reload
         self._take(initial + b"\n")
 
     def read(self, block: bool) -> bool:
@@ -126,6 +140,13 @@ class _Lines:
                         self.queue.remove(name)
                 self.first.extend(names)
                 self.holding = True
+            elif command == RELOAD:
+                names = rest.split()
+                for name in names:
+                    if name in self.queue:
+                        self.queue.remove(name)
+                self.reload.update(names)
+                self.first.extend(names)
             elif command == GO:
                 self.holding = False
             elif command:
@@ -152,12 +173,15 @@ def _answer_lines(sock: socket.socket, initial: bytes) -> None:
             if lines.first:
                 name = lines.first.popleft()
             elif lines.holding:
-                _send(sock, {"held": lines.hold_number})
-                # until GO (the kernel forks its ranks meanwhile), or a new HOLD from a kernel
-                # that gave up on this one (Ctrl-C)
-                while lines.holding and not lines.first:
-                    if not lines.read(block=True):
-                        return
+                if lines.answered != lines.hold_number:
+                    _send(sock, {"held": lines.hold_number})
+                    lines.answered = lines.hold_number
+                # until GO (the kernel forks its ranks meanwhile), or a new HOLD: the next
+                # launch's (its GO and that HOLD can arrive in one read: a HOLD with no names
+                # was never answered, and that launch waited forever) or one from a kernel that
+                # gave up on this one (Ctrl-C)
+                if not lines.read(block=True):
+                    return
                 continue
             elif lines.queue:
                 name = lines.queue.popleft()
@@ -165,7 +189,11 @@ def _answer_lines(sock: socket.socket, initial: bytes) -> None:
                 if not lines.read(block=True):
                     return
                 continue
-            answer = import_one(name)
+            reload = name in lines.reload
+            lines.reload.discard(name)
+            if reload or name not in sys.modules:  # (one loaded already is answered at once)
+                _send(sock, {"importing": name})
+            answer = import_one(name, reload)
             _send(sock, answer)
             if answer["cuda"]:
                 return  # the kernel replaces this server; importing more would not help
@@ -174,10 +202,8 @@ def _answer_lines(sock: socket.socket, initial: bytes) -> None:
 
 
 def _send(sock: socket.socket, answer: dict[str, Any]) -> None:
-    """Send one answer, waiting while the kernel's side is full: the kernel reads answers only
-    when it offers names or holds (not while it runs a cell), and reading left the socket
-    non-blocking, where a full buffer raised and ended the mirror (a kernel with transformers
-    sends thousands of names, so the answers outgrow the buffer before the next launch)."""
+    """Send one answer, waiting while the kernel's side is full (reading left the socket
+    non-blocking, where a full buffer raised and ended the mirror)."""
     sock.setblocking(True)
     sock.sendall(encode(answer))
 

@@ -12,6 +12,7 @@ the server, so the ranks' own collections skip it and leave its memory pages sha
 
 import gc
 import importlib
+import os
 import signal
 
 # Jupyter's interrupt and shutdown signal the kernel's whole process group, this server
@@ -19,6 +20,18 @@ import signal
 # "Fatal Python error" on stderr. The server ignores SIGINT anyway once it serves, and ranks
 # leave interrupts to the kernel.
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _say(name: str) -> None:
+    """Write what is imported now into the ready marker (the kernel shows it while it waits)."""
+    marker = os.environ.get("NBACCEL_SERVER_READY_FILE")
+    if marker:
+        try:
+            with open(marker, "w", encoding="utf-8") as f:
+                f.write(name)
+        except OSError:
+            pass
+
 
 _collecting = gc.isenabled()
 gc.disable()
@@ -34,6 +47,7 @@ try:
         "nbaccel.rank.reporting",
         "nbaccel.rank.tqdm_hook",
     ):
+        _say(_name)
         try:
             importlib.import_module(_name)
         except Exception:  # noqa: BLE001 - a missing optional module only makes ranks slower
