@@ -9,6 +9,8 @@ CUDA) and otherwise returns a :class:`LaunchPlan`: the launch's facts and one
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import multiprocessing
 import os
 import sys
@@ -71,6 +73,7 @@ def resolve_plan(
             f"function must be callable (the training function to run on every rank), "
             f"got {type(function).__name__}."
         )
+    _refuse_generator_and_async(function)
     preload = _check_preload(preload)
     cfg = _resolve_config(config, num_processes, mixed_precision, start_method, max_restarts)
     nprocs = _resolve_num_processes(cfg.num_processes)
@@ -141,6 +144,46 @@ def resolve_plan(
     # -- XLA (PJRT_DEVICE set, or a TPU host): ranks as PJRT expects them (nbaccel.launch.xla)
     info, specs, xla_threads = xla.adapt_plan(info, specs)
     return LaunchPlan(info, specs, timeout, xla_threads, cfg.max_restarts, preload, cluster)
+
+
+def _refuse_generator_and_async(function: Callable[..., Any]) -> None:
+    """A rank calls ``function`` and sends back what it returns: a generator or coroutine
+    function would only make the generator (or coroutine) there, run none of its body, and
+    fail to send it back, after every rank started. Refuse it here, saying what to write.
+
+    >>> def steps():
+    ...     yield 1
+    >>> _refuse_generator_and_async(steps)
+    Traceback (most recent call last):
+    TypeError: function steps is a generator function (it yields), ...
+    """
+    target = function
+    while isinstance(target, functools.partial):  # its name is the wrapped function's
+        target = target.func
+    name = getattr(target, "__qualname__", None) or type(target).__name__
+    if inspect.isasyncgenfunction(function):
+        kind, fix = (
+            "an async generator function (async def with yield)",
+            "Make it a plain def that returns a list of what it yielded",
+        )
+    elif inspect.iscoroutinefunction(function):
+        kind, fix = (
+            "an async function (async def)",
+            "Make it a plain def; to await inside it, wrap the awaiting part: "
+            "def train(): return asyncio.run(main())",
+        )
+    elif inspect.isgeneratorfunction(function):
+        kind, fix = (
+            "a generator function (it yields)",
+            "Return the values instead (e.g. collect them in a list and return it)",
+        )
+    else:
+        return
+    raise TypeError(
+        f"function {name} is {kind}, so each rank would only create "
+        f"{'a coroutine' if 'async' in kind else 'a generator'} and never run its body. "
+        f"{fix}. Nothing was started."
+    )
 
 
 def _check_cluster(cluster: Any, num_nodes: int) -> None:
