@@ -73,6 +73,11 @@ class RayCluster:
             raise ValueError("RayCluster: a rank needs a CPU or a GPU (cpus_per_rank=1).")
 
     @property
+    def start_method(self) -> str:
+        """How the launch banner names the ranks' start (``launch.protocols.Cluster``)."""
+        return "ray"
+
+    @property
     def uses_gpus(self) -> bool:
         return self.gpus_per_rank > 0
 

@@ -35,9 +35,10 @@ from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
-from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.options import LaunchOptions
+from nbaccel.launch.plan import DEFAULTS, LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload
-from nbaccel.ui import View, choose_view
+from nbaccel.ui import choose_view
 from nbaccel.ui.busy import BusyBeacon
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
@@ -121,16 +122,8 @@ class Launch:
         launch.result()           # waits; rank 0's return value
     """
 
-    def __init__(
-        self,
-        plan: LaunchPlan,
-        view: View | None = None,
-        progress: bool | str = True,
-        return_all: bool = False,
-    ) -> None:
-        self.plan = plan
-        self._view, self._progress = view, progress
-        self._return_all = return_all
+    def __init__(self, plan: LaunchPlan, options: LaunchOptions = DEFAULTS) -> None:
+        self.plan, self.options = plan, options
         self.state: LaunchState | None = None  # the current attempt's (views read it too)
         self._stopping = threading.Event()
         self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -144,7 +137,7 @@ class Launch:
         try:
             with BusyBeacon():  # in a kernel's main thread: the cell is busy to the end
                 payloads = self._attempts()
-            if self._return_all:
+            if self.options.return_all:
                 return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
             return load_payload(0, payloads.get(0)) if self.plan.info.node_rank == 0 else None
         finally:  # shared memory of arguments and of results that were never loaded
@@ -199,7 +192,8 @@ class Launch:
     def _attempt(self) -> dict[int, bytes | None]:
         """Start the planned ranks and follow them to the end; return their payloads."""
         __tracebackhide__ = True
-        view = self._view if self._view is not None else choose_view(self._progress)
+        o = self.options
+        view = o.view if o.view is not None else choose_view(o.progress)
         life = RankLifecycle(self.plan, view)
         self.state = life.state
         try:
