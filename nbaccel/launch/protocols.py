@@ -1,6 +1,10 @@
-"""The declared extension points of a launch: what nbaccel asks of a cluster backend.
+"""The declared extension points of a launch: what nbaccel asks of a rank group and of a
+cluster backend.
 
-A cluster backend (``cluster=`` of ``notebook_launcher``, e.g.
+A rank group (:class:`RankGroup`) is the ranks of one launch attempt as the lifecycle, the
+relay and the event loop follow them: the local one (``launch.group.RankGroup``), XLA's
+thread-host one (``launch.xla.ThreadHostGroup``) and a cluster's (``cluster.ray_group``
+``.RayRankGroup``) implement it. A cluster backend (``cluster=`` of ``notebook_launcher``, e.g.
 :class:`~nbaccel.cluster.ray_cluster.RayCluster`) is any object with these members; the plan,
 the launch and the views ask the object, never its type. A new backend is one module with a
 class like that, passed as ``cluster=``.
@@ -8,9 +12,66 @@ class like that, passed as ``cluster=``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from nbaccel.core.events import RankSpec
+
+
+@runtime_checkable
+class RankGroup(Protocol):
+    """The ranks of one launch attempt: started, followed, signalled, stopped and reaped.
+
+    Each rank (``ranks``, ``alive()``) has ``rank``, ``pid``, ``sentinel`` (readable once it
+    has ended), ``exitcode``, its ``stdout``/``stderr``/``diag``/``events`` pipes,
+    ``reap()`` and ``close_pipes()``."""
+
+    #: How its ranks start ("forkserver", "spawn", "fork", "ray"...), as the banner says it.
+    start_method: str
+    #: Every rank of the attempt, once started.
+    ranks: Sequence[Any]
+    #: (pid, command) of processes the ranks left running that reaping killed.
+    strays: list[tuple[int, str]]
+
+    def start(self) -> None:
+        """Start every rank; on an error, nothing of the start is left running."""
+        ...
+
+    def alive(self) -> list[Any]:
+        """The ranks still running."""
+        ...
+
+    def was_stopped(self, rank: int, exitcode: int | None = None) -> bool:
+        """Whether ``rank`` ended because the group stopped it (not by itself)."""
+        ...
+
+    def send_signal(self, ranks: list[Any], sig: int) -> None:
+        """Send ``sig`` to ``ranks`` (and what they started)."""
+        ...
+
+    def notice_unreported(self) -> None:
+        """Each loop turn: ranks that ended by themselves but were never reported."""
+        ...
+
+    def begin_stop(self, grace: float) -> None:
+        """Ask every live rank to stop now (SIGTERM), once; returns at once."""
+        ...
+
+    def poll_stop(self) -> None:
+        """SIGKILL what still runs once the grace of :meth:`begin_stop` is over."""
+        ...
+
+    def stop(self, grace: float = ...) -> None:
+        """Stop every rank (SIGTERM, SIGKILL after ``grace`` s) and reap them all."""
+        ...
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait until every rank has exited or ``timeout`` passes; whether all exited."""
+        ...
+
+    def reap(self) -> None:
+        """Collect every ended rank and kill what the ranks left running."""
+        ...
 
 
 @runtime_checkable
@@ -32,7 +93,7 @@ class Cluster(Protocol):
         called while the launch is planned, before anything starts."""
         ...
 
-    def make_group(self, specs: list[RankSpec]) -> Any:
+    def make_group(self, specs: list[RankSpec]) -> RankGroup:
         """The rank group of one launch attempt: it starts ``specs``'s ranks on the cluster
         and is followed like a local group."""
         ...
