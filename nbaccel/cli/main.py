@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.cli import torchrun_flags
-from nbaccel.core import deepspeed_settings, fsdp_settings
+from nbaccel.core import deepspeed_settings, fsdp_settings, strategy_registry
 from nbaccel.core.config import (
     MIXED_PRECISION_CHOICES,
     RDZV_BACKEND_CHOICES,
-    STRATEGY_CHOICES,
     ConfigError,
     LaunchConfig,
     default_config_path,
@@ -169,7 +168,9 @@ def _ask_and_write(path: Path) -> int:
         _choice(MIXED_PRECISION_CHOICES),
     )
     values["strategy"] = _ask(
-        f"Strategy ({'/'.join(STRATEGY_CHOICES)})?", current.strategy, _choice(STRATEGY_CHOICES)
+        f"Strategy ({'/'.join(strategy_registry.names())})?",
+        current.strategy,
+        _choice(strategy_registry.names()),
     )
     values["gradient_accumulation_steps"] = _ask(
         "Gradient accumulation steps?", current.gradient_accumulation_steps, _integer(1)
@@ -263,7 +264,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--main_process_ip", help="address of machine 0")
     p.add_argument("--main_process_port", type=int, help="port on machine 0 (default: free port)")
     p.add_argument("--mixed_precision", choices=MIXED_PRECISION_CHOICES)
-    p.add_argument("--strategy", choices=STRATEGY_CHOICES)
+    p.add_argument("--strategy", choices=strategy_registry.names())
     p.add_argument("--gradient_accumulation_steps", type=int)
     p.add_argument("--rdzv_backend", "--rdzv-backend", choices=RDZV_BACKEND_CHOICES)
     p.add_argument(

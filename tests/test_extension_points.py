@@ -1,0 +1,64 @@
+"""Declared extension points: a toy of each, added in one module and one registration line,
+is found by everything that reads the registry (or asks the object), never by its name."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+import nbaccel
+from nbaccel.core import capabilities, strategy_registry
+from nbaccel.core.config import ConfigError, LaunchConfig
+
+
+@pytest.fixture
+def toy_strategy():
+    module = importlib.import_module("tests.toy_strategy")
+    strategy_registry.register(module.ENTRY)  # again, after an earlier test removed it
+    yield module
+    strategy_registry.unregister("toy")
+
+
+def test_an_unregistered_strategy_is_refused_listing_the_registered_ones():
+    with pytest.raises(ConfigError, match="strategy='toy'.*'ddp', 'fsdp', 'deepspeed'"):
+        LaunchConfig(strategy="toy")
+
+
+def test_a_registered_strategy_is_a_choice_everywhere(toy_strategy):
+    from nbaccel.cli.main import build_parser
+    from nbaccel.core.hardware import Hardware
+    from nbaccel.rank import settings_report
+    from nbaccel.training.process import detect_state
+    from nbaccel.training.strategies import select_strategy
+    from nbaccel.ui.config_panel import ConfigPanel, panel_text, precision_choices
+
+    assert "toy" in strategy_registry.names()
+    assert LaunchConfig(strategy="toy").strategy == "toy"  # the config file
+    args = build_parser().parse_args(["launch", "--strategy", "toy", "train.py"])  # the CLI
+    assert args.strategy == "toy"
+    capabilities.check_strategy("toy", "bf16")  # nothing it needs is missing
+    assert strategy_registry.by_accelerate_type("TOY") == "toy"  # the settings report
+    assert settings_report.strategy_registry is strategy_registry
+    assert isinstance(select_strategy("toy", detect_state(cpu=True)), toy_strategy.ToyStrategy)
+    cpu = Hardware(cpu_count=4)
+    panel = ConfigPanel(LaunchConfig(strategy="toy"), cpu, "/nonexistent/cfg.yaml", torchao=False)
+    assert ("TOY", "toy") in list(panel.strategy.options) and panel.strategy.value == "toy"
+    text = panel_text(LaunchConfig(strategy="toy"), cpu, precision_choices(cpu, False), "x.yaml")
+    assert "strategy: toy (one of ddp, fsdp, deepspeed, toy)" in text
+
+
+def _toy_rank_strategy():
+    import tests.toy_strategy  # noqa: F401 - registers it in the rank (as preload= would)
+
+    accelerator = nbaccel.Accelerator()
+    return type(accelerator._strategy).__name__, os.environ["NBACCEL_STRATEGY"]
+
+
+@pytest.mark.slow
+def test_a_registered_strategy_runs_in_real_ranks(toy_strategy):
+    strategy, env = nbaccel.notebook_launcher(
+        _toy_rank_strategy, num_processes=2, config=LaunchConfig(strategy="toy"), progress=False
+    )
+    assert (strategy, env) == ("ToyStrategy", "toy")
