@@ -62,3 +62,18 @@ def test_a_registered_strategy_runs_in_real_ranks(toy_strategy):
         _toy_rank_strategy, num_processes=2, config=LaunchConfig(strategy="toy"), progress=False
     )
     assert (strategy, env) == ("ToyStrategy", "toy")
+
+
+def test_the_three_rank_groups_and_the_ray_cluster_are_what_the_protocols_declare() -> None:
+    from nbaccel.cluster.ray_cluster import RayCluster
+    from nbaccel.cluster.ray_group import RayRankGroup
+    from nbaccel.launch import group, protocols, xla
+
+    # The type checker checks these assignments (tests/test_types.py); this, that they run.
+    local: protocols.RankGroup = group.RankGroup([], "forkserver")
+    threads: protocols.RankGroup = xla.ThreadHostGroup([], "forkserver")
+    ray: protocols.RankGroup = RayRankGroup([], RayCluster())
+    cluster: protocols.Cluster = RayCluster()
+    assert all(isinstance(g, protocols.RankGroup) for g in (local, threads, ray))
+    assert isinstance(cluster, protocols.Cluster) and cluster.start_method == "ray"
+    assert not isinstance(object(), protocols.RankGroup)

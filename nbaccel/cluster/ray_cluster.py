@@ -19,6 +19,7 @@ from typing import Any
 from nbaccel.core import rendezvous
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
+from nbaccel.launch.protocols import RankGroup
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -139,7 +140,7 @@ class RayCluster:
             return self.kernel_address
         return rendezvous.route_address(rank0_node) or "0.0.0.0"
 
-    def make_group(self, specs: list[RankSpec]) -> Any:
+    def make_group(self, specs: list[RankSpec]) -> RankGroup:
         """The rank group of one launch attempt (``launch.launch.Launch`` starts it)."""
         from nbaccel.cluster.ray_group import RayRankGroup
 

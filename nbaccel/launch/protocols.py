@@ -13,9 +13,12 @@ class like that, passed as ``cluster=``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from nbaccel.core.events import RankSpec
+
+if TYPE_CHECKING:
+    from nbaccel.launch import group, xla
 
 
 @runtime_checkable
@@ -26,12 +29,20 @@ class RankGroup(Protocol):
     has ended), ``exitcode``, its ``stdout``/``stderr``/``diag``/``events`` pipes,
     ``reap()`` and ``close_pipes()``."""
 
-    #: How its ranks start ("forkserver", "spawn", "fork", "ray"...), as the banner says it.
-    start_method: str
-    #: Every rank of the attempt, once started.
-    ranks: Sequence[Any]
-    #: (pid, command) of processes the ranks left running that reaping killed.
-    strays: list[tuple[int, str]]
+    @property
+    def start_method(self) -> str:
+        """How its ranks start ("forkserver", "spawn", "fork", "ray"...), as the banner says."""
+        ...
+
+    @property
+    def ranks(self) -> Sequence[Any]:
+        """Every rank of the attempt, once started."""
+        ...
+
+    @property
+    def strays(self) -> list[tuple[int, str]]:
+        """(pid, command) of processes the ranks left running that reaping killed."""
+        ...
 
     def start(self) -> None:
         """Start every rank; on an error, nothing of the start is left running."""
@@ -93,7 +104,16 @@ class Cluster(Protocol):
         called while the launch is planned, before anything starts."""
         ...
 
-    def make_group(self, specs: list[RankSpec]) -> RankGroup:
-        """The rank group of one launch attempt: it starts ``specs``'s ranks on the cluster
-        and is followed like a local group."""
+    def make_group(self, specs: list[RankSpec]) -> Any:
+        """The rank group (a :class:`RankGroup`) of one launch attempt: it starts ``specs``'s
+        ranks on the cluster and is followed like a local group. Only the launch's
+        ``RankLifecycle`` calls it (a test of the package rules checks)."""
         ...
+
+
+if TYPE_CHECKING:  # the type checker holds the local groups to the protocol (Ray's: its make_group)
+
+    def _local_groups_conform(
+        local: group.RankGroup, threads: xla.ThreadHostGroup
+    ) -> tuple[RankGroup, RankGroup]:
+        return local, threads

@@ -57,5 +57,5 @@ def select_strategy(
     # None: the strategy reads its settings from NBACCEL_FSDP_* / NBACCEL_DEEPSPEED_*
     plugins = {"fsdp": fsdp_plugin, "deepspeed": deepspeed_plugin}
     if entry.plugin is not None:
-        return strategy_class(state, plugins[entry.plugin])  # type: ignore[no-any-return]
-    return strategy_class(state)  # type: ignore[no-any-return]
+        return strategy_class(state, plugins[entry.plugin])
+    return strategy_class(state)
