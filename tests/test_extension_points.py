@@ -77,3 +77,31 @@ def test_the_three_rank_groups_and_the_ray_cluster_are_what_the_protocols_declar
     assert all(isinstance(g, protocols.RankGroup) for g in (local, threads, ray))
     assert isinstance(cluster, protocols.Cluster) and cluster.start_method == "ray"
     assert not isinstance(object(), protocols.RankGroup)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def test_a_cluster_backend_is_asked_not_named() -> None:
+    from nbaccel.launch.options import LaunchOptions
+    from nbaccel.launch.plan import resolve_plan
+    from tests.toy_cluster import ToyCluster
+
+    plan = resolve_plan(
+        _rank_and_world, (), {}, LaunchOptions(num_processes=2, cluster=ToyCluster())
+    )
+    assert plan.info.describe().endswith(", on a toy cluster"), plan.info.describe()
+    assert plan.info.start_method == "spawn" and plan.info.device == "cpu"
+
+
+@pytest.mark.slow
+def test_a_toy_cluster_backend_runs_real_ranks() -> None:
+    from tests.toy_cluster import ToyCluster
+
+    cluster = ToyCluster()
+    got = nbaccel.notebook_launcher(
+        _rank_and_world, num_processes=2, cluster=cluster, return_all=True, progress=False
+    )
+    assert got == [(0, 2), (1, 2)]
+    assert len(cluster.groups) == 1  # the launch asked the cluster for its group

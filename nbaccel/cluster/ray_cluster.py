@@ -79,6 +79,16 @@ class RayCluster:
         return "ray"
 
     @property
+    def placement(self) -> str:
+        """Where the launch banner says the ranks run (``launch.protocols.Cluster``)."""
+        return "on a Ray cluster"
+
+    @property
+    def rank_entry_file(self) -> str:
+        """Where each rank's process starts: ``python -m nbaccel.cluster.remote_entry``."""
+        return "/nbaccel/cluster/remote_entry.py"
+
+    @property
     def uses_gpus(self) -> bool:
         return self.gpus_per_rank > 0
 

@@ -53,10 +53,17 @@ AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 class RunJob:
     """A launch's function on every rank, for :func:`nbaccel.launch.loop.follow`."""
 
-    def __init__(self, relay: Relay, timeout: float | None, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        timeout: float | None,
+        stopping: threading.Event,
+        entry_file: str | None = None,
+    ) -> None:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
+        self.entry_file = entry_file  # where a cluster's rank processes start (root_cause)
 
     def finished(self) -> bool:
         return all(rank.done for rank in self.state.ranks.values())
@@ -80,7 +87,7 @@ class RunJob:
             if code == 255 and self._server_gone(r):
                 # multiprocessing's stand-in status: the server that reports it is gone
                 what = "ended when its fork server died (its own exit status is unknown)"
-            crash = root_cause.without_plumbing(rank.diag.strip())
+            crash = root_cause.without_plumbing(rank.diag.strip(), self.entry_file)
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
 
@@ -101,7 +108,8 @@ class RunJob:
             return
         alive = self.group.alive()
         stacks = {
-            k: root_cause.without_plumbing(v) for k, v in self.relay.stacks_now(alive).items()
+            k: root_cause.without_plumbing(v, self.entry_file)
+            for k, v in self.relay.stacks_now(alive).items()
         }
         self.state.outcome = Outcome.TIMED_OUT
         raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
@@ -236,7 +244,9 @@ class Launch(concurrent.futures.Future[Any]):
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
         state, failing = relay.state, False
         try:
-            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping))
+            cluster = self.plan.cluster
+            entry_file = cluster.rank_entry_file if cluster is not None else None
+            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping, entry_file))
             state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
         except BaseException:
             state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True

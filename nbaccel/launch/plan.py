@@ -115,6 +115,7 @@ def resolve_plan(
         master_addr=master_addr,
         master_port=port,
         start_method=method,
+        placement=cluster.placement if cluster is not None else "",
         line_prefix=(
             DEFAULT_LINE_PREFIX
             if o.log_line_prefix_template is None

@@ -95,6 +95,17 @@ class Cluster(Protocol):
         ...
 
     @property
+    def placement(self) -> str:
+        """Where the launch banner says the ranks run, e.g. "on a Ray cluster"."""
+        ...
+
+    @property
+    def rank_entry_file(self) -> str:
+        """The end of the path of the file a rank's process starts in on the cluster: its frame
+        and older ones are left out of a rank's crash report (``root_cause``)."""
+        ...
+
+    @property
     def uses_gpus(self) -> bool:
         """Whether each rank gets a GPU (else the ranks run on CPU, gloo)."""
         ...
