@@ -105,3 +105,23 @@ def test_a_toy_cluster_backend_runs_real_ranks() -> None:
     )
     assert got == [(0, 2), (1, 2)]
     assert len(cluster.groups) == 1  # the launch asked the cluster for its group
+
+
+def _says_hello() -> int:
+    print(f"hello from {os.environ['RANK']}", flush=True)
+    return 7
+
+
+@pytest.mark.slow
+def test_a_toy_view_shows_a_real_launch() -> None:
+    from nbaccel.ui import View
+    from tests.toy_view import ToyView
+
+    view = ToyView()
+    shown: View = view  # the type checker holds it to the View protocol
+    assert nbaccel.notebook_launcher(_says_hello, num_processes=2, view=shown) == 7
+    assert view.finished and view.state is not None and view.state.outcome == "finished"
+    assert {r: lines for r, lines in view.lines.items()} == {
+        0: ["hello from 0"],
+        1: ["hello from 1"],
+    }

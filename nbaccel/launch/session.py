@@ -49,7 +49,7 @@ from nbaccel.launch.session_cell import (
 )
 from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.launch.session_status import StatusTable, rank_rows
-from nbaccel.ui import View, widget_frontend
+from nbaccel.ui import View, wants_widgets
 from nbaccel.ui.busy import BusyBeacon
 from nbaccel.ui.cell_view import CellView
 
@@ -365,8 +365,7 @@ class Ranks:
     def _view(self, ranks: list[int]) -> View:
         """A cell's view: the cell's output like a local cell's (``ui.cell_view``)."""
         progress = self.options.progress
-        widgets = progress == "widgets" or (progress is True and widget_frontend())
-        return CellView(ranks, widgets=widgets, show_progress=progress is not False)
+        return CellView(ranks, widgets=wants_widgets(progress), show_progress=progress is not False)
 
     def __repr__(self) -> str:
         if not self.started:
