@@ -87,3 +87,14 @@ def test_options_are_read_by_name_into_the_plan():
     assert all(s.env["NBACCEL_MIXED_PRECISION"] == "no" for s in plan.specs)
     with pytest.raises(dataclasses.FrozenInstanceError):
         LaunchOptions().timeout = 1  # type: ignore[misc]
+
+
+def test_the_cli_documents_the_settings_it_shares_with_the_options():
+    from nbaccel.cli.main import build_parser
+    from nbaccel.launch.options import ALIASES
+
+    launch = build_parser()._subparsers._group_actions[0].choices["launch"]
+    helps = {flag: a.help for a in launch._actions for flag in a.option_strings}
+    for name in ("num_processes", "num_machines", "machine_rank", "main_process_ip", "strategy"):
+        assert helps[f"--{name}"] == LaunchOptions.doc(ALIASES.get(name, name)), name
+    assert {f"--{n}" for n in ALIASES} <= set(helps)  # the config file's spellings are flags

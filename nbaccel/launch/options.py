@@ -56,26 +56,30 @@ class LaunchOptions:
 
     # -- Accelerate's notebook_launcher: its names, order and meanings -------------------------
     num_processes: int | None = _option(
-        UNSET, "Ranks on this machine; None means every visible GPU, else 1 (config's if unset)."
+        UNSET,
+        "Ranks (processes) on this machine; None: one per visible GPU, else 1; not given: the "
+        "config's.",
     )
     mixed_precision: str | None = _option(
-        UNSET, "'no', 'fp16', 'bf16' or 'fp8' (the config's if unset)."
+        UNSET, "'no', 'fp16', 'bf16' or 'fp8'; not given: the config's."
     )
     use_port: int | str = _option(
         "auto", "Port on machine 0 where ranks meet; 'auto' picks a free one on one machine."
     )
-    master_addr: str = _option("127.0.0.1", "Address of machine 0, where ranks meet.")
+    master_addr: str = _option("127.0.0.1", "Address of machine 0, where the ranks meet.")
     node_rank: int = _option(0, "Index of this machine (0 is the main one).")
     num_nodes: int = _option(1, "Machines taking part.")
     rdzv_backend: str = _option(
-        "static", "'static'; 'c10d' is accepted on one machine (elastic ones: nbaccel launch)."
+        "static",
+        "How the ranks meet: 'static', or torch elastic's 'c10d' (in a notebook launch, on "
+        "one machine only; across machines: nbaccel launch).",
     )
     rdzv_endpoint: str = _option("", "Elastic rendezvous only (nbaccel launch); ignored here.")
     rdzv_conf: dict[str, Any] | None = _option(None, "Elastic rendezvous only; ignored here.")
     rdzv_id: str = _option("none", "Elastic rendezvous only; ignored here.")
     max_restarts: int = _option(
         UNSET,
-        "Relaunch every rank after a rank fails, that many times at most (config's if unset).",
+        "Relaunch every rank after a rank fails, that many times at most; not given: the config's.",
     )
     monitor_interval: float = _option(
         0.1, "Accepted for Accelerate; ranks are followed by events, so it changes nothing."
@@ -109,7 +113,9 @@ class LaunchOptions:
     # -- not notebook_launcher keywords -----------------------------------------------------
     cpu: bool = _option(False, "CPU ranks (gloo) even where GPUs are visible (debug_launcher).")
     strategy: str | None = _option(
-        None, "'ddp', 'fsdp' or 'deepspeed' for the ranks' Accelerator (config's if None)."
+        None,
+        "'ddp', 'fsdp', 'deepspeed' or another registered strategy, for the ranks' "
+        "Accelerator; None: the config's.",
     )
 
     @classmethod
