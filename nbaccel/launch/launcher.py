@@ -51,8 +51,10 @@ def notebook_launcher(
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` ranks and return rank 0's return value.
 
-    Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep its names,
-    order and meanings. ``num_processes=None`` means every visible GPU, else 1. Settings not
+    ``function`` is a plain function (a generator or ``async def`` one is refused before any
+    rank starts). Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep
+    its names, order and meanings; every keyword is a field of :class:`nbaccel.LaunchOptions`
+    (``LaunchOptions.doc("timeout")`` documents each). ``num_processes=None`` means every visible GPU, else 1. Settings not
     given here come from ``config``, else from the saved default config (``nbaccel.configure()``/
     ``nbaccel config``). ``max_restarts`` relaunches every rank after a rank fails, that many
     times at most. ``log_line_prefix_template`` labels the ranks' lines in text output (torch
