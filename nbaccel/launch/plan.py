@@ -55,9 +55,9 @@ def resolve_plan(
     default); ``options.cpu`` runs on CPU processes (gloo) even where GPUs are visible
     (``debug_launcher``).
 
-    >>> plan = resolve_plan(print, ("hi",), {}, LaunchOptions(num_processes=2, use_port=29555))
-    >>> plan.info.world_size, plan.info.master_port, plan.info.backend
-    (2, 29555, 'gloo')
+    >>> plan = resolve_plan(print, ("hi",), {}, LaunchOptions(num_processes=2, cpu=True))
+    >>> plan.info.world_size, plan.info.backend, [s.rank for s in plan.specs]
+    (2, 'gloo', [0, 1])
     """
     _refuse_nested_launch()
     if not callable(function):
@@ -66,23 +66,22 @@ def resolve_plan(
             f"got {type(function).__name__}."
         )
     _refuse_generator_and_async(function)
-    o = options
-    preload = _check_preload(o.preload)
-    cfg = _resolve_config(o)
+    preload = _check_preload(options.preload)
+    cfg = _resolve_config(options)
     nprocs = _resolve_num_processes(cfg.num_processes)
-    node_rank, num_nodes, cluster = o.node_rank, o.num_nodes, o.cluster
+    node_rank, num_nodes, cluster = options.node_rank, options.num_nodes, options.cluster
     check_int("node_rank", node_rank, 0)
     check_int("num_nodes", num_nodes, 1)
     if node_rank >= num_nodes:
         raise ValueError(f"node_rank={node_rank} must be below num_nodes={num_nodes}.")
     _check_elastic_options(
-        o.rdzv_backend, num_nodes, o.monitor_interval, o.log_line_prefix_template
+        options.rdzv_backend, num_nodes, options.monitor_interval, options.log_line_prefix_template
     )
-    timeout = o.timeout
+    timeout = options.timeout
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     method = check_start_method(resolve_start_method(cfg.start_method))
-    cpu, env = o.cpu, o.env
+    cpu, env = options.cpu, options.env
     if cluster is not None:
         _check_cluster(cluster, num_nodes)
         cpu = cpu or not cluster.uses_gpus
@@ -94,8 +93,8 @@ def resolve_plan(
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
     capabilities.check_precision(cfg.mixed_precision, gpus)
     capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
-    master_addr = o.master_addr
-    port = _resolve_port(o.use_port, master_addr, node_rank, num_nodes)
+    master_addr = options.master_addr
+    port = _resolve_port(options.use_port, master_addr, node_rank, num_nodes)
     function_bytes, arg_bytes, kwarg_bytes, sealed = payload.serialize(function, args, kwargs)
     transfer: shared_tensors.Transfer | None = sealed
     if cluster is not None:
@@ -118,8 +117,8 @@ def resolve_plan(
         placement=cluster.placement if cluster is not None else "",
         line_prefix=(
             DEFAULT_LINE_PREFIX
-            if o.log_line_prefix_template is None
-            else o.log_line_prefix_template
+            if options.log_line_prefix_template is None
+            else options.log_line_prefix_template
         ),
     )
     base_env = _worker_env(info, cfg, env)
@@ -137,7 +136,7 @@ def resolve_plan(
             args=arg_bytes,
             kwargs=kwarg_bytes,
             sources=sources,
-            send_result=o.return_all or info.first_rank + local == 0,
+            send_result=options.return_all or info.first_rank + local == 0,
             sys_path=list(sys.path),
             cwd=_kernel_cwd(),
             rng_state=rng_state,
