@@ -138,8 +138,21 @@ def test_a_failing_background_launch_raises_from_result(kernel):
     result = kernel.execute("failing.result(timeout=120)")
     assert result.error is not None and result.error["ename"] == "RankFailedError"
     assert "rank one gives up" in result.error_text
+    # It reads like a blocking launch's error: no frames of the future underneath
+    assert "concurrent/futures" not in result.error_text, result.error_text
     awaited = kernel.execute("await failing")  # the same error, in an async cell
     assert awaited.error is not None and awaited.error["ename"] == "RankFailedError"
+    assert "concurrent/futures" not in awaited.error_text, awaited.error_text
+    again = kernel.execute("failing.result()")  # not grown by the earlier raises
+    assert again.error_text.count("failing.result()") == 1, again.error_text
+    future = kernel.execute(
+        "import concurrent.futures\n"
+        "ended = []\n"
+        "failing.add_done_callback(ended.append)\n"
+        "isinstance(failing, concurrent.futures.Future), ended == [failing], "
+        "type(failing.exception()).__name__"
+    )
+    assert future.results[-1]["text/plain"] == "(True, True, 'RankFailedError')"
     status = kernel.execute("failing.status, failing.done()")
     assert status.results[-1]["text/plain"] == "('failed', True)"
     assert kernel.leftovers() == []

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nbaccel
+from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import resolve_plan
 
 SOURCE = "def uses_global():\n    return int(big.sum()), big.shape[0]\n"
@@ -21,7 +22,7 @@ def notebook_function(big: torch.Tensor):
 
 
 def plan_for(function):
-    return resolve_plan(function, (), {}, num_processes=1)
+    return resolve_plan(function, (), {}, LaunchOptions(num_processes=1))
 
 
 def test_a_large_global_is_not_pickled_into_the_job():

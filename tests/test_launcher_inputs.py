@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import resource
@@ -69,6 +70,28 @@ class TestRejectedBeforeStarting:
 
         with pytest.raises(TypeError, match=r"the function .*puts cannot be sent.*" + use):
             nbaccel.notebook_launcher(puts, num_processes=2)
+
+    def test_a_generator_function_is_refused_with_what_to_write(self):
+        def steps():
+            yield 1
+
+        with pytest.raises(TypeError, match=r"steps is a generator function.*Return the values"):
+            nbaccel.notebook_launcher(steps, num_processes=2)
+
+    @pytest.mark.parametrize("block", [True, False])
+    def test_an_async_function_is_refused_with_what_to_write(self, block):
+        async def train(lr):
+            return lr
+
+        with pytest.raises(TypeError, match=r"train is an async function.*asyncio.run"):
+            nbaccel.notebook_launcher(functools.partial(train, 0.1), num_processes=2, block=block)
+
+    def test_an_async_generator_function_is_refused(self):
+        async def stream():
+            yield 1
+
+        with pytest.raises(TypeError, match=r"stream is an async generator function"):
+            nbaccel.notebook_launcher(stream, num_processes=2)
 
     def test_unknown_mixed_precision_lists_choices(self):
         with pytest.raises(ValueError, match="'fp4'.*'no', 'fp16', 'bf16', 'fp8'"):

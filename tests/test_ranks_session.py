@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import nbaccel
-from nbaccel.launch.plan import UNSET
+from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.session_cell import CellError, RanksBrokenError
 from nbaccel.launch.session_start import session_plan
 from nbaccel.rank.session_entry import run_code
@@ -115,15 +115,7 @@ def test_killed_rank_breaks_the_group_and_stop_leaves_nothing():
 
 
 def test_gpus_map_ranks_to_the_listed_devices_in_the_plan():
-    options = dict(
-        num_processes=UNSET,
-        mixed_precision=UNSET,
-        strategy="ddp",
-        gpus=[2, 3],
-        start_method="auto",
-        env=None,
-    )
-    plan = session_plan(options, "/tmp/nbaccel-test-socket")
+    plan = session_plan(LaunchOptions(strategy="ddp"), [2, 3], "/tmp/nbaccel-test-socket")
     assert [s.rank for s in plan.specs] == [0, 1]
     assert all(s.env["CUDA_VISIBLE_DEVICES"] == "2,3" for s in plan.specs)
     assert plan.info.strategy == "ddp"

@@ -26,6 +26,7 @@ import pytest
 
 import nbaccel
 from nbaccel.core.rendezvous import free_port
+from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import resolve_plan
 from tests import netns_helpers
 
@@ -61,7 +62,7 @@ def test_bad_cluster_launches_are_refused_before_anything_starts(options, error,
 
 
 def test_a_cluster_banner_names_no_local_port():
-    plan = resolve_plan(_noop, (), {}, num_processes=2, cluster=nbaccel.RayCluster())
+    plan = resolve_plan(_noop, (), {}, LaunchOptions(num_processes=2, cluster=nbaccel.RayCluster()))
     assert plan.info.describe().endswith(", on a Ray cluster"), plan.info.describe()
     assert plan.specs[0].transfer is None  # results come back pickled, not by /dev/shm
     assert "CUDA_VISIBLE_DEVICES" in plan.specs[0].env  # CPU ranks: gloo, no GPU

@@ -153,6 +153,7 @@ def _write_and_compare(t, a, scale=1.0):
 def test_two_ranks_share_one_block_copy_on_write_and_results_come_back():
     t = torch.zeros(BIG * 4)
     a = np.ones(BIG, dtype=np.float32)
+    from nbaccel.launch.options import LaunchOptions
     from nbaccel.launch.plan import resolve_plan
 
     out = nbaccel.notebook_launcher(
@@ -170,7 +171,7 @@ def test_two_ranks_share_one_block_copy_on_write_and_results_come_back():
     assert r0.sum() == 0 and r1.eq(2.0).all() and (head0 == 7).all() and (head1 == 1).all()
     assert not _mine() and not _block_fds() and not S._fds
 
-    plan = resolve_plan(_write_and_compare, (t, a), {}, num_processes=2)
+    plan = resolve_plan(_write_and_compare, (t, a), {}, LaunchOptions(num_processes=2))
     try:  # each rank's job carries a reference, not the 1 MB of data
         assert all(len(b) < 2000 for spec in plan.specs for b in spec.args)
         assert plan.specs[0].transfer is plan.specs[1].transfer

@@ -10,6 +10,7 @@ import pytest
 
 from nbaccel.core import hardware, xla_runtime
 from nbaccel.launch import xla
+from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import resolve_plan
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -20,7 +21,7 @@ def work() -> int:
 
 
 def _plan(n: int, env: dict[str, str | None]):
-    return resolve_plan(work, (), {}, num_processes=n, env=env)
+    return resolve_plan(work, (), {}, LaunchOptions(num_processes=n, env=env))
 
 
 def test_plain_launch_is_left_alone():

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.cli import torchrun_flags
-from nbaccel.core import deepspeed_settings, fsdp_settings
+from nbaccel.core import deepspeed_settings, fsdp_settings, strategy_registry
 from nbaccel.core.config import (
     MIXED_PRECISION_CHOICES,
     RDZV_BACKEND_CHOICES,
-    STRATEGY_CHOICES,
     ConfigError,
     LaunchConfig,
     default_config_path,
@@ -169,7 +168,9 @@ def _ask_and_write(path: Path) -> int:
         _choice(MIXED_PRECISION_CHOICES),
     )
     values["strategy"] = _ask(
-        f"Strategy ({'/'.join(STRATEGY_CHOICES)})?", current.strategy, _choice(STRATEGY_CHOICES)
+        f"Strategy ({'/'.join(strategy_registry.names())})?",
+        current.strategy,
+        _choice(strategy_registry.names()),
     )
     values["gradient_accumulation_steps"] = _ask(
         "Gradient accumulation steps?", current.gradient_accumulation_steps, _integer(1)
@@ -246,6 +247,14 @@ def _ask_fsdp(current: LaunchConfig) -> dict[str, Any]:
     return values
 
 
+def _doc(name: str) -> str:
+    """The documentation of the launch option a flag sets (Accelerate's config spelling or
+    nbaccel's), from :class:`~nbaccel.launch.options.LaunchOptions`."""
+    from nbaccel.launch.options import ALIASES, LaunchOptions
+
+    return LaunchOptions.doc(ALIASES.get(name, name))
+
+
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
@@ -257,18 +266,21 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     )
     # Flag names follow `accelerate launch` where they mean the same thing.
     p.add_argument("--config_file", help="config file to read (default: the shared one)")
-    p.add_argument("--num_processes", type=int, help="processes on this machine")
-    p.add_argument("--num_machines", type=int, help="machines taking part")
-    p.add_argument("--machine_rank", type=int, help="index of this machine, 0 is the main one")
-    p.add_argument("--main_process_ip", help="address of machine 0")
+    # Help of the settings a notebook launch has too: its LaunchOptions field's documentation
+    p.add_argument("--num_processes", type=int, help=_doc("num_processes"))
+    p.add_argument("--num_machines", type=int, help=_doc("num_machines"))
+    p.add_argument("--machine_rank", type=int, help=_doc("machine_rank"))
+    p.add_argument("--main_process_ip", help=_doc("main_process_ip"))
     p.add_argument("--main_process_port", type=int, help="port on machine 0 (default: free port)")
-    p.add_argument("--mixed_precision", choices=MIXED_PRECISION_CHOICES)
-    p.add_argument("--strategy", choices=STRATEGY_CHOICES)
-    p.add_argument("--gradient_accumulation_steps", type=int)
-    p.add_argument("--rdzv_backend", "--rdzv-backend", choices=RDZV_BACKEND_CHOICES)
     p.add_argument(
-        "--max_restarts", "--max-restarts", type=int, help="restarts of the whole group on failure"
+        "--mixed_precision", choices=MIXED_PRECISION_CHOICES, help=_doc("mixed_precision")
     )
+    p.add_argument("--strategy", choices=strategy_registry.names(), help=_doc("strategy"))
+    p.add_argument("--gradient_accumulation_steps", type=int)
+    p.add_argument(
+        "--rdzv_backend", "--rdzv-backend", choices=RDZV_BACKEND_CHOICES, help=_doc("rdzv_backend")
+    )
+    p.add_argument("--max_restarts", "--max-restarts", type=int, help=_doc("max_restarts"))
     torchrun_flags.add_torchrun_flags(p)
     fsdp = p.add_argument_group("FSDP (with --strategy fsdp; names as in `accelerate launch`)")
     fsdp.add_argument(

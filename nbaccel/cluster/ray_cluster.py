@@ -19,6 +19,7 @@ from typing import Any
 from nbaccel.core import rendezvous
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
+from nbaccel.launch.protocols import RankGroup
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -71,6 +72,21 @@ class RayCluster:
                 raise ValueError(f"RayCluster({name}={value!r}) must be a number, 0 or more.")
         if self.cpus_per_rank == 0 and self.gpus_per_rank == 0:
             raise ValueError("RayCluster: a rank needs a CPU or a GPU (cpus_per_rank=1).")
+
+    @property
+    def start_method(self) -> str:
+        """How the launch banner names the ranks' start (``launch.protocols.Cluster``)."""
+        return "ray"
+
+    @property
+    def placement(self) -> str:
+        """Where the launch banner says the ranks run (``launch.protocols.Cluster``)."""
+        return "on a Ray cluster"
+
+    @property
+    def rank_entry_file(self) -> str:
+        """Where each rank's process starts: ``python -m nbaccel.cluster.remote_entry``."""
+        return "/nbaccel/cluster/remote_entry.py"
 
     @property
     def uses_gpus(self) -> bool:
@@ -134,7 +150,7 @@ class RayCluster:
             return self.kernel_address
         return rendezvous.route_address(rank0_node) or "0.0.0.0"
 
-    def make_group(self, specs: list[RankSpec]) -> Any:
+    def make_group(self, specs: list[RankSpec]) -> RankGroup:
         """The rank group of one launch attempt (``launch.launch.Launch`` starts it)."""
         from nbaccel.cluster.ray_group import RayRankGroup
 

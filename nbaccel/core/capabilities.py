@@ -19,21 +19,16 @@ import dataclasses
 import importlib.util
 from collections.abc import Sequence
 
-from nbaccel.core.config import (
-    MIXED_PRECISION_CHOICES,
-    STRATEGY_CHOICES,
-    ConfigError,
-    check_choice,
-)
+from nbaccel.core import strategy_registry
+from nbaccel.core.config import MIXED_PRECISION_CHOICES, ConfigError, check_choice
 from nbaccel.core.hardware import GPU
 
 BF16_MIN_CC = (8, 0)
 FP8_MIN_CC = (8, 9)
 
 # How to get DeepSpeed (nbaccel installs from a clone: its extra is `-e '.[deepspeed]'` there).
-DEEPSPEED_INSTALL = (
-    "run `pip install deepspeed` (from nbaccel's clone: `pip install -e '.[deepspeed]'`)"
-)
+DEEPSPEED_INSTALL = strategy_registry.DEEPSPEED_INSTALL
+_PACKAGE_NAMES = {"deepspeed": "DeepSpeed"}  # how the messages spell a package
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +120,21 @@ def strategy_verdict(strategy: str, precision: str, deepspeed: bool) -> Verdict:
 
         strategy_verdict("deepspeed", "bf16", deepspeed=deepspeed_available()).allowed
     """
-    check_choice("strategy", strategy, STRATEGY_CHOICES)
-    if strategy != "deepspeed":
-        return Verdict(True)
-    if not deepspeed:
+    check_choice("strategy", strategy, strategy_registry.names())
+    entry = strategy_registry.get(strategy)
+    if entry.needs_package is not None and not (
+        deepspeed if entry.needs_package == "deepspeed" else package_available(entry.needs_package)
+    ):
         return Verdict(
             False,
-            f"DeepSpeed is not installed in this Python; {DEEPSPEED_INSTALL}, "
+            f"{_PACKAGE_NAMES.get(entry.needs_package, entry.needs_package)} is not installed in "
+            f"this Python; {entry.install or f'run `pip install {entry.needs_package}`'}, "
             "or choose 'fsdp' for sharded training.",
         )
-    if precision == "fp8":
-        return Verdict(False, "DeepSpeed runs 'bf16' or 'fp16' mixed precision, not 'fp8'.")
+    if entry.precisions is not None and precision not in entry.precisions:
+        runs = " or ".join(repr(p) for p in entry.precisions if p != "no")
+        name = _PACKAGE_NAMES.get(entry.needs_package or "", strategy)
+        return Verdict(False, f"{name} runs {runs} mixed precision, not {precision!r}.")
     return Verdict(True)
 
 

@@ -19,11 +19,10 @@ from typing import Any
 
 import yaml
 
-from nbaccel.core import config_hints, deepspeed_settings, fsdp_settings
+from nbaccel.core import config_hints, deepspeed_settings, fsdp_settings, strategy_registry
 from nbaccel.core.atomic import atomic_write
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
-STRATEGY_CHOICES = ("ddp", "fsdp", "deepspeed")
 START_METHOD_CHOICES = ("auto", "forkserver", "spawn", "fork")
 RDZV_BACKEND_CHOICES = ("static", "c10d")
 
@@ -159,7 +158,7 @@ class LaunchConfig:
         if self.num_processes is not None:
             check_int("num_processes", self.num_processes, 1)
         self.mixed_precision = normalize_mixed_precision(self.mixed_precision)
-        check_choice("strategy", self.strategy, STRATEGY_CHOICES)
+        check_choice("strategy", self.strategy, strategy_registry.names())
         check_choice("rdzv_backend", self.rdzv_backend, RDZV_BACKEND_CHOICES)
         check_choice("start_method", self.start_method, START_METHOD_CHOICES)
         check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)

@@ -93,6 +93,8 @@ class LaunchInfo:
     master_port: int
     start_method: str
     line_prefix: str = DEFAULT_LINE_PREFIX  # torch elastic's log_line_prefix_template form
+    # Where a cluster placed the ranks, as its Cluster.placement says it ("" on this machine)
+    placement: str = ""
 
     def label(self, rank: int) -> str:
         """The prefix of ``rank``'s output lines in text views.
@@ -104,11 +106,8 @@ class LaunchInfo:
 
     def describe(self) -> str:
         machines = f", node {self.node_rank}" if self.world_size != self.num_processes else ""
-        where = (
-            "on a Ray cluster"  # rank 0's node and port are the placement's
-            if self.start_method == "ray"
-            else f"{self.start_method}, {self.master_addr}:{self.master_port}"
-        )
+        # On a cluster, rank 0's node and port are the placement's
+        where = self.placement or f"{self.start_method}, {self.master_addr}:{self.master_port}"
         return (
             f"{self.num_processes} process{'es' if self.num_processes != 1 else ''} "
             f"on {self.device} ({self.backend}{machines}), mixed_precision={self.mixed_precision}, "

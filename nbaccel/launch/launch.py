@@ -1,15 +1,19 @@
 """One launch, from its first rank start to its last rank reaped: :class:`Launch` owns it.
 
 Shaped like torch elastic's ``PContext`` (one object starts, polls and stops the workers):
-a ``Launch`` holds the plan, the fork server it starts ranks from, each attempt's rank group,
-relay and view, and runs the one event loop (``launch.loop``) with a :class:`RunJob`, whose
-policies are a launch's: the first failure stops the other ranks; the timeout collects every
+a ``Launch`` holds the plan, its options and the current attempt's
+:class:`~nbaccel.launch.lifecycle.RankLifecycle` (``lifecycle``; through it ``group``, the rank
+group, which holds the fork server its ranks start from, and ``relay``, which reads them into
+the view), and follows the ranks with the event loop (``launch.loop``) and a :class:`RunJob`,
+whose policies are a launch's: the first failure stops the other ranks; the timeout collects every
 live rank's stack and raises; ``.stop()`` stops them all. Whatever happens, every rank is reaped
 and what the ranks left running is swept (``launch.containment``) before the attempt returns.
 
 Blocking, ``Launch(plan).run()`` is ``notebook_launcher``. In the background
 (``notebook_launcher(..., block=False)``) the same run happens in a thread, in the launching
-cell's context (so its output and dashboard stay in that cell); the ``Launch`` is the handle.
+cell's context (so its output and dashboard stay in that cell); the ``Launch`` is the handle:
+a :class:`concurrent.futures.Future` of rank 0's value (like ipyparallel's ``AsyncResult``),
+awaitable, whose ``result()`` raises a failed launch's error without the library's frames.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Generator
+from types import TracebackType
 from typing import Any
 
 from nbaccel.core import mp_internals, shared_tensors
@@ -35,9 +40,11 @@ from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
-from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.options import LaunchOptions
+from nbaccel.launch.plan import DEFAULTS, LaunchPlan
+from nbaccel.launch.protocols import RankGroup
 from nbaccel.launch.relay import Relay, load_payload
-from nbaccel.ui import View, choose_view
+from nbaccel.ui import choose_view
 from nbaccel.ui.busy import BusyBeacon
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
@@ -46,10 +53,17 @@ AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 class RunJob:
     """A launch's function on every rank, for :func:`nbaccel.launch.loop.follow`."""
 
-    def __init__(self, relay: Relay, timeout: float | None, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        timeout: float | None,
+        stopping: threading.Event,
+        entry_file: str | None = None,
+    ) -> None:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
+        self.entry_file = entry_file  # where a cluster's rank processes start (root_cause)
 
     def finished(self) -> bool:
         return all(rank.done for rank in self.state.ranks.values())
@@ -73,7 +87,7 @@ class RunJob:
             if code == 255 and self._server_gone(r):
                 # multiprocessing's stand-in status: the server that reports it is gone
                 what = "ended when its fork server died (its own exit status is unknown)"
-            crash = root_cause.without_plumbing(rank.diag.strip())
+            crash = root_cause.without_plumbing(rank.diag.strip(), self.entry_file)
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
 
@@ -94,7 +108,8 @@ class RunJob:
             return
         alive = self.group.alive()
         stacks = {
-            k: root_cause.without_plumbing(v) for k, v in self.relay.stacks_now(alive).items()
+            k: root_cause.without_plumbing(v, self.entry_file)
+            for k, v in self.relay.stacks_now(alive).items()
         }
         self.state.outcome = Outcome.TIMED_OUT
         raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
@@ -106,11 +121,12 @@ class RunJob:
         return self.group.alive()
 
 
-class Launch:
+class Launch(concurrent.futures.Future[Any]):
     """One launch of ``plan``: run it here (:meth:`run`) or in the background (:meth:`start`).
 
-    In the background the launch is a handle, like a future: ``done()``, ``wait()``,
-    ``result()`` (rank 0's value, or the error a blocking launch raises), ``stop()``,
+    In the background the launch is its handle, a :class:`concurrent.futures.Future` of rank
+    0's value: ``done()``, ``wait()``, ``result()`` (rank 0's value, or the error a blocking
+    launch raises), ``add_done_callback()``, ``concurrent.futures.wait([...])``, ``stop()``,
     ``await launch``, and the live ``status``/``ranks``/``metrics()``.
 
     Example::
@@ -121,20 +137,30 @@ class Launch:
         launch.result()           # waits; rank 0's return value
     """
 
-    def __init__(
-        self,
-        plan: LaunchPlan,
-        view: View | None = None,
-        progress: bool | str = True,
-        return_all: bool = False,
-    ) -> None:
-        self.plan = plan
-        self._view, self._progress = view, progress
-        self._return_all = return_all
-        self.state: LaunchState | None = None  # the current attempt's (views read it too)
+    def __init__(self, plan: LaunchPlan, options: LaunchOptions = DEFAULTS) -> None:
+        super().__init__()
+        self.plan, self.options = plan, options
+        # The current attempt's ranks, from their start to their teardown (None before)
+        self.lifecycle: RankLifecycle | None = None
         self._stopping = threading.Event()
-        self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._thread: threading.Thread | None = None
+        self._error_traceback: TracebackType | None = None
+
+    @property
+    def state(self) -> LaunchState | None:
+        """What the current attempt's views show: each rank's status, output, metrics."""
+        return self.lifecycle.state if self.lifecycle is not None else None
+
+    @property
+    def group(self) -> RankGroup | None:
+        """The current attempt's rank group (its ranks' processes; the fork server they
+        start from), once the launch has begun."""
+        return self.lifecycle.group if self.lifecycle is not None else None
+
+    @property
+    def relay(self) -> Relay | None:
+        """What reads the current attempt's ranks into its view, once they have started."""
+        return self.lifecycle.relay if self.lifecycle is not None else None
 
     # -- running ----------------------------------------------------------------------------
 
@@ -144,7 +170,7 @@ class Launch:
         try:
             with BusyBeacon():  # in a kernel's main thread: the cell is busy to the end
                 payloads = self._attempts()
-            if self._return_all:
+            if self.options.return_all:
                 return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
             return load_payload(0, payloads.get(0)) if self.plan.info.node_rank == 0 else None
         finally:  # shared memory of arguments and of results that were never loaded
@@ -168,14 +194,15 @@ class Launch:
         return self
 
     def _background(self) -> None:
-        if not self._future.set_running_or_notify_cancel():
+        if not self.set_running_or_notify_cancel():
             return
         try:
             value = self.run()
         except BaseException as exc:  # noqa: BLE001 - every ending is the result's to raise
-            self._future.set_exception(exc)
+            self._error_traceback = exc.__traceback__  # as raised, before result() re-raises it
+            self.set_exception(exc)
         else:
-            self._future.set_result(value)
+            self.set_result(value)
 
     def _attempts(self) -> dict[int, bytes | None]:
         """An attempt, and again (all ranks, each attempt a fresh view) after a rank fails, up
@@ -199,9 +226,9 @@ class Launch:
     def _attempt(self) -> dict[int, bytes | None]:
         """Start the planned ranks and follow them to the end; return their payloads."""
         __tracebackhide__ = True
-        view = self._view if self._view is not None else choose_view(self._progress)
-        life = RankLifecycle(self.plan, view)
-        self.state = life.state
+        o = self.options
+        view = o.view if o.view is not None else choose_view(o.progress)
+        life = self.lifecycle = RankLifecycle(self.plan, view)
         try:
             relay = life.start()
         except KeyboardInterrupt as exc:  # its message says what was stopped
@@ -217,7 +244,9 @@ class Launch:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
         state, failing = relay.state, False
         try:
-            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping))
+            cluster = self.plan.cluster
+            entry_file = cluster.rank_entry_file if cluster is not None else None
+            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping, entry_file))
             state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
         except BaseException:
             state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True
@@ -240,27 +269,30 @@ class Launch:
 
     # -- the handle of a background launch --------------------------------------------------
 
-    def done(self) -> bool:
-        """Whether the launch has ended (finished, failed, stopped or timed out)."""
-        return self._future.done()
-
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the launch has ended or ``timeout`` seconds passed; whether it ended."""
-        concurrent.futures.wait([self._future], timeout)
-        return self._future.done()
+        concurrent.futures.wait([self], timeout)
+        return self.done()
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's return value once the launch has ended, or the error a blocking launch
         would have raised (``RankFailedError``, ``LaunchTimeoutError``, ...); a
-        ``TimeoutError`` if it is still running after ``timeout`` seconds."""
+        ``TimeoutError`` if it is still running after ``timeout`` seconds.
+
+        Raised here, not through ``Future.result``, whose two frames would stand between the
+        cell and the launch's own traceback."""
         __tracebackhide__ = True
-        try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        if not self.wait(timeout):
             raise TimeoutError(
                 f"the launch is still running after {timeout:g} s (status: {self.status}); "
                 "call result() again, or stop() it"
-            ) from None
+            )
+        if self.cancelled():
+            raise concurrent.futures.CancelledError("the launch was cancelled before it started")
+        error = self.exception(timeout=0)
+        if error is not None:  # its traceback as raised, not grown by an earlier result()
+            raise error.with_traceback(self._error_traceback)
+        return super().result(timeout=0)
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop every rank (SIGTERM, SIGKILL after a grace) and wait until all are reaped and
@@ -278,9 +310,10 @@ class Launch:
         # Polled rather than awaited through asyncio.wrap_future: ipykernel's Stop cancels an
         # awaiting cell only once its event loop wakes up, which a wrapped future did only
         # when the launch ended (Stop then did nothing for the whole run).
-        while not self._future.done():
+        __tracebackhide__ = True
+        while not self.done():
             await asyncio.sleep(AWAIT_POLL)
-        return self._future.result()
+        return self.result()
 
     @property
     def status(self) -> str:
@@ -302,8 +335,10 @@ class Launch:
         return {rank: str(s.status) for rank, s in sorted(state.ranks.items())}
 
     def metrics(self, rank: int = 0) -> list[dict[str, float]]:
-        """What ``rank`` logged so far with ``nbaccel.log``/``Accelerator.log``, one dict per
-        call with its ``step``: ready for ``pandas.DataFrame(...)`` or a plot."""
+        """What ``rank`` logged so far with ``nbaccel.log``/``Accelerator.log``, as samples:
+        the latest value of each name, at most one sample every 0.1 s per step logged (a rank
+        that logs every step sends the step it is at when a sample is due, not every call),
+        each with its ``step``: ready for ``pandas.DataFrame(...)`` or a plot."""
         state = self.state
         if state is None or rank not in state.ranks:
             return []

@@ -14,7 +14,9 @@ from typing import Any
 
 from nbaccel.core.config import LaunchConfig
 from nbaccel.launch.launch import Launch
-from nbaccel.launch.plan import UNSET, resolve_plan
+from nbaccel.launch.options import UNSET, LaunchOptions
+from nbaccel.launch.plan import resolve_plan
+from nbaccel.launch.protocols import Cluster
 from nbaccel.ui import View
 
 
@@ -45,12 +47,14 @@ def notebook_launcher(
     env: dict[str, str | None] | None = None,
     view: View | None = None,
     block: bool = True,
-    cluster: Any = None,
+    cluster: Cluster | None = None,
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` ranks and return rank 0's return value.
 
-    Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep its names,
-    order and meanings. ``num_processes=None`` means every visible GPU, else 1. Settings not
+    ``function`` is a plain function (a generator or ``async def`` one is refused before any
+    rank starts). Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep
+    its names, order and meanings; every keyword is a field of :class:`nbaccel.LaunchOptions`
+    (``LaunchOptions.doc("timeout")`` documents each). ``num_processes=None`` means every visible GPU, else 1. Settings not
     given here come from ``config``, else from the saved default config (``nbaccel.configure()``/
     ``nbaccel config``). ``max_restarts`` relaunches every rank after a rank fails, that many
     times at most. ``log_line_prefix_template`` labels the ranks' lines in text output (torch
@@ -81,31 +85,32 @@ def notebook_launcher(
         nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)   # -> 0
     """
     __tracebackhide__ = True  # IPython leaves nbaccel's frames out of the notebook's traceback
-    return _launch(
-        function,
-        args,
-        kwargs,
-        view,
-        progress,
-        preload,
-        config=config,
+    options = LaunchOptions(
         num_processes=num_processes,
         mixed_precision=mixed_precision,
-        start_method=start_method,
         use_port=use_port,
         master_addr=master_addr,
         node_rank=node_rank,
         num_nodes=num_nodes,
-        timeout=timeout,
-        env=env,
-        return_all=return_all,
         rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_conf=rdzv_conf,
+        rdzv_id=rdzv_id,
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
-        line_prefix=log_line_prefix_template,
+        log_line_prefix_template=log_line_prefix_template,
+        start_method=start_method,
+        timeout=timeout,
+        return_all=return_all,
+        config=config,
+        progress=progress,
+        preload=preload,
+        env=env,
+        view=view,
         block=block,
         cluster=cluster,
     )
+    return launch(function, args, kwargs, options)
 
 
 def debug_launcher(
@@ -119,31 +124,26 @@ def debug_launcher(
         nbaccel.debug_launcher(train, num_processes=2)
     """
     __tracebackhide__ = True
-    return _launch(function, args, None, None, True, (), num_processes=num_processes, cpu=True)
+    return launch(function, args, None, LaunchOptions(num_processes=num_processes, cpu=True))
 
 
-def _launch(
+def launch(
     function: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any] | None,
-    view: View | None,
-    progress: bool | str,
-    preload: Sequence[str],
-    block: bool = True,
-    **options: Any,
+    options: LaunchOptions,
 ) -> Any:
-    """Plan (every check before anything starts), then run the launch here or in the background."""
+    """Plan (every check before anything starts), then run the launch here or, with
+    ``options.block=False``, in the background (the :class:`Launch` is returned)."""
     __tracebackhide__ = True
     try:
-        plan = resolve_plan(
-            function, args, kwargs if kwargs is not None else {}, preload=preload, **options
-        )
+        plan = resolve_plan(function, args, kwargs if kwargs is not None else {}, options)
     except (TypeError, ValueError, RuntimeError, OSError) as exc:
         if os.environ.get("NBACCEL_DEBUG") or not _raised_by_nbaccel(exc):
             raise  # a library's error inside the checks (a bug, or its own): its frames matter
         _raise_short(exc)
-    launch = Launch(plan, view, progress, return_all=bool(options.get("return_all")))
-    return launch.run() if block else launch.start()
+    handle = Launch(plan, options)
+    return handle.run() if options.block else handle.start()
 
 
 def _raised_by_nbaccel(exc: BaseException) -> bool:

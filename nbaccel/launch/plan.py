@@ -9,6 +9,8 @@ CUDA) and otherwise returns a :class:`LaunchPlan`: the launch's facts and one
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import multiprocessing
 import os
 import sys
@@ -22,8 +24,12 @@ from nbaccel.core.events import RankSpec
 from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
 from nbaccel.launch import payload, xla
 from nbaccel.launch.forkserver import resolve_start_method
+from nbaccel.launch.options import UNSET, LaunchOptions
+from nbaccel.launch.protocols import Cluster
 
-UNSET: Any = object()  # "not given": the config (or its default) decides
+__all__ = ["UNSET", "LaunchOptions", "LaunchPlan", "check_start_method", "resolve_plan"]
+
+DEFAULTS = LaunchOptions()  # notebook_launcher's defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,58 +40,52 @@ class LaunchPlan:
     xla_threads: bool = False  # XLA devices as threads of one host process (launch.xla)
     max_restarts: int = 0  # relaunches of the whole group after a rank fails
     preload: tuple[str, ...] = ()  # modules the fork server imports once for every rank
-    # Where the ranks run when not here: a cluster.RayCluster (its make_group starts them)
-    cluster: Any = None
+    # Where the ranks run when not here (its make_group starts them), e.g. cluster.RayCluster
+    cluster: Cluster | None = None
 
 
 def resolve_plan(
     function: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
-    *,
-    config: LaunchConfig | None = None,
-    num_processes: Any = UNSET,
-    mixed_precision: Any = UNSET,
-    start_method: str = "auto",
-    use_port: int | str = "auto",
-    master_addr: str = "127.0.0.1",
-    node_rank: int = 0,
-    num_nodes: int = 1,
-    timeout: float | None = None,
-    env: dict[str, str | None] | None = None,
-    return_all: bool = False,
-    cpu: bool = False,
-    rdzv_backend: str = "static",
-    max_restarts: Any = UNSET,
-    monitor_interval: float = 0.1,
-    line_prefix: str | None = None,
-    preload: Sequence[str] = (),
-    cluster: Any = None,
+    options: LaunchOptions = DEFAULTS,
 ) -> LaunchPlan:
-    """Check the inputs and build the plan; nothing is started. The defaults are
-    ``notebook_launcher``'s: one machine, settings from the config or its default. ``cpu``
-    runs on CPU processes (gloo) even where GPUs are visible (``debug_launcher``)."""
+    """Check the inputs and build the plan; nothing is started. ``options`` are
+    ``notebook_launcher``'s keywords (one machine, settings from the config or its default by
+    default); ``options.cpu`` runs on CPU processes (gloo) even where GPUs are visible
+    (``debug_launcher``).
+
+    >>> plan = resolve_plan(print, ("hi",), {}, LaunchOptions(num_processes=2, cpu=True))
+    >>> plan.info.world_size, plan.info.backend, [s.rank for s in plan.specs]
+    (2, 'gloo', [0, 1])
+    """
     _refuse_nested_launch()
     if not callable(function):
         raise TypeError(
             f"function must be callable (the training function to run on every rank), "
             f"got {type(function).__name__}."
         )
-    preload = _check_preload(preload)
-    cfg = _resolve_config(config, num_processes, mixed_precision, start_method, max_restarts)
+    _refuse_generator_and_async(function)
+    preload = _check_preload(options.preload)
+    cfg = _resolve_config(options)
     nprocs = _resolve_num_processes(cfg.num_processes)
+    node_rank, num_nodes, cluster = options.node_rank, options.num_nodes, options.cluster
     check_int("node_rank", node_rank, 0)
     check_int("num_nodes", num_nodes, 1)
     if node_rank >= num_nodes:
         raise ValueError(f"node_rank={node_rank} must be below num_nodes={num_nodes}.")
-    _check_elastic_options(rdzv_backend, num_nodes, monitor_interval, line_prefix)
+    _check_elastic_options(
+        options.rdzv_backend, num_nodes, options.monitor_interval, options.log_line_prefix_template
+    )
+    timeout = options.timeout
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}.")
     method = check_start_method(resolve_start_method(cfg.start_method))
+    cpu, env = options.cpu, options.env
     if cluster is not None:
         _check_cluster(cluster, num_nodes)
         cpu = cpu or not cluster.uses_gpus
-        method = "ray"  # started by the cluster's actors: no fork server, no start method here
+        method = cluster.start_method  # the cluster starts the ranks: no fork server here
     gpus = () if cpu else hardware.detect().gpus
     if cluster is None:  # this machine's capacity; a cluster's is its placement's to find
         capacity.check_process_count(nprocs, nprocs * num_nodes, on_cpu=not gpus)
@@ -93,7 +93,8 @@ def resolve_plan(
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
     capabilities.check_precision(cfg.mixed_precision, gpus)
     capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
-    port = _resolve_port(use_port, master_addr, node_rank, num_nodes)
+    master_addr = options.master_addr
+    port = _resolve_port(options.use_port, master_addr, node_rank, num_nodes)
     function_bytes, arg_bytes, kwarg_bytes, sealed = payload.serialize(function, args, kwargs)
     transfer: shared_tensors.Transfer | None = sealed
     if cluster is not None:
@@ -113,7 +114,12 @@ def resolve_plan(
         master_addr=master_addr,
         master_port=port,
         start_method=method,
-        line_prefix=DEFAULT_LINE_PREFIX if line_prefix is None else line_prefix,
+        placement=cluster.placement if cluster is not None else "",
+        line_prefix=(
+            DEFAULT_LINE_PREFIX
+            if options.log_line_prefix_template is None
+            else options.log_line_prefix_template
+        ),
     )
     base_env = _worker_env(info, cfg, env)
     sources = pickling.notebook_sources()
@@ -130,7 +136,7 @@ def resolve_plan(
             args=arg_bytes,
             kwargs=kwarg_bytes,
             sources=sources,
-            send_result=return_all or info.first_rank + local == 0,
+            send_result=options.return_all or info.first_rank + local == 0,
             sys_path=list(sys.path),
             cwd=_kernel_cwd(),
             rng_state=rng_state,
@@ -143,9 +149,49 @@ def resolve_plan(
     return LaunchPlan(info, specs, timeout, xla_threads, cfg.max_restarts, preload, cluster)
 
 
-def _check_cluster(cluster: Any, num_nodes: int) -> None:
+def _refuse_generator_and_async(function: Callable[..., Any]) -> None:
+    """A rank calls ``function`` and sends back what it returns: a generator or coroutine
+    function would only make the generator (or coroutine) there, run none of its body, and
+    fail to send it back, after every rank started. Refuse it here, saying what to write.
+
+    >>> def steps():
+    ...     yield 1
+    >>> _refuse_generator_and_async(steps)
+    Traceback (most recent call last):
+    TypeError: function steps is a generator function (it yields), ...
+    """
+    target = function
+    while isinstance(target, functools.partial):  # its name is the wrapped function's
+        target = target.func
+    name = getattr(target, "__qualname__", None) or type(target).__name__
+    if inspect.isasyncgenfunction(function):
+        kind, fix = (
+            "an async generator function (async def with yield)",
+            "Make it a plain def that returns a list of what it yielded",
+        )
+    elif inspect.iscoroutinefunction(function):
+        kind, fix = (
+            "an async function (async def)",
+            "Make it a plain def; to await inside it, wrap the awaiting part: "
+            "def train(): return asyncio.run(main())",
+        )
+    elif inspect.isgeneratorfunction(function):
+        kind, fix = (
+            "a generator function (it yields)",
+            "Return the values instead (e.g. collect them in a list and return it)",
+        )
+    else:
+        return
+    raise TypeError(
+        f"function {name} is {kind}, so each rank would only create "
+        f"{'a coroutine' if 'async' in kind else 'a generator'} and never run its body. "
+        f"{fix}. Nothing was started."
+    )
+
+
+def _check_cluster(cluster: Cluster, num_nodes: int) -> None:
     """``cluster=`` is a cluster nbaccel can place ranks on, with what it needs installed."""
-    if not callable(getattr(cluster, "make_group", None)):
+    if not isinstance(cluster, Cluster):  # the members launch.protocols.Cluster declares
         raise TypeError(
             f"cluster must be a cluster to run the ranks on, e.g. nbaccel.RayCluster(), "
             f"got {type(cluster).__name__}."
@@ -263,25 +309,23 @@ def _refuse_nested_launch() -> None:
         )
 
 
-def _resolve_config(
-    config: LaunchConfig | None,
-    num_processes: Any,
-    mixed_precision: Any,
-    start_method: str,
-    max_restarts: Any = UNSET,
-) -> LaunchConfig:
+def _resolve_config(options: LaunchOptions) -> LaunchConfig:
+    """The config (given, else saved, else the defaults) with the options given over it."""
+    config = options.config
     if config is not None and not isinstance(config, LaunchConfig):
         raise TypeError(f"config must be a nbaccel.LaunchConfig, got {type(config).__name__}.")
     base = config or LaunchConfig.load_default() or LaunchConfig()
     changes: dict[str, Any] = {}
-    if num_processes is not UNSET:
-        changes["num_processes"] = num_processes
-    if mixed_precision is not UNSET:
-        changes["mixed_precision"] = mixed_precision
-    if start_method != "auto":
-        changes["start_method"] = start_method
-    if max_restarts is not UNSET:
-        changes["max_restarts"] = max_restarts
+    if options.given("num_processes"):
+        changes["num_processes"] = options.num_processes
+    if options.given("mixed_precision"):
+        changes["mixed_precision"] = options.mixed_precision
+    if options.start_method != "auto":
+        changes["start_method"] = options.start_method
+    if options.given("max_restarts"):
+        changes["max_restarts"] = options.max_restarts
+    if options.strategy is not None:
+        changes["strategy"] = options.strategy
     return dataclasses.replace(base, **changes)  # LaunchConfig validates every field
 
 

@@ -40,12 +40,13 @@ def cut(text: str, width: int = ERROR_LINE_WIDTH) -> str:
     return line if len(line) <= width else line[: width - 1] + "…"
 
 
-def without_plumbing(crash_report: str) -> str:
+def without_plumbing(crash_report: str, entry_file: str | None = None) -> str:
     """A rank's crash report (faulthandler's stacks) without the frames every rank has below
     the user's code: multiprocessing's, and everything older than the process's start
-    (``BaseProcess._bootstrap``, or a cluster rank's ``nbaccel.cluster.remote_entry``): the fork
-    server's loop and, where the server is a fork of the kernel, the kernel's own frames it was
-    forked in; on a cluster node, ``python -m``'s.
+    (``BaseProcess._bootstrap``, or on a cluster the frame of ``entry_file``, the file its rank
+    processes start in: ``Cluster.rank_entry_file``): the fork server's loop and, where the
+    server is a fork of the kernel, the kernel's own frames it was forked in; on a cluster
+    node, ``python -m``'s.
 
     >>> report = ['  File "/x.py", line 3 in train', '  File "/py/multiprocessing/process.py"',
     ...           '  File "/py/multiprocessing/process.py", line 314 in _bootstrap',
@@ -60,7 +61,7 @@ def without_plumbing(crash_report: str) -> str:
             started = False  # the next thread's stack begins
         elif (
             started
-            or _CLUSTER_START in line
+            or (entry_file is not None and entry_file in line)
             or (_PROCESS_START in line and line.rstrip().endswith(" in _bootstrap"))
         ):
             started = True
@@ -72,7 +73,6 @@ def without_plumbing(crash_report: str) -> str:
 
 
 _PROCESS_START = "/multiprocessing/process.py"
-_CLUSTER_START = "/nbaccel/cluster/remote_entry.py"  # a cluster rank's process: python -m it
 
 
 def order(failures: list[tuple[int, object]]) -> list[tuple[int, object]]:

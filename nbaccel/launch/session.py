@@ -36,7 +36,8 @@ from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
-from nbaccel.launch.plan import UNSET, LaunchPlan
+from nbaccel.launch.options import UNSET, LaunchOptions
+from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.session_cell import (
     CellError,
@@ -48,7 +49,7 @@ from nbaccel.launch.session_cell import (
 )
 from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.launch.session_status import StatusTable, rank_rows
-from nbaccel.ui import View, widget_frontend
+from nbaccel.ui import View, wants_widgets
 from nbaccel.ui.busy import BusyBeacon
 from nbaccel.ui.cell_view import CellView
 
@@ -79,16 +80,16 @@ class Ranks:
             raise ValueError(
                 f"timeout must be a positive number of seconds or None, got {timeout!r}."
             )
-        self.options = dict(
+        self.options = LaunchOptions(
             num_processes=num_processes,
             mixed_precision=mixed_precision,
             strategy=strategy,
-            gpus=list(gpus) if gpus is not None else None,
             start_method=start_method,
             env=env,
+            progress=progress,
         )
+        self.gpus = list(gpus) if gpus is not None else None
         self.timeout = timeout
-        self.progress = progress
         self._names: dict[int, dict[str, str]] = {}  # rank -> its names' types, after each cell
         self.running: tuple[str, float] | None = None  # (first line of the cell, started at)
         self.broken: str | None = None
@@ -143,7 +144,7 @@ class Ranks:
         try:
             server.bind(address)
             server.listen()
-            self._plan = session_plan(self.options, address)
+            self._plan = session_plan(self.options, self.gpus, address)
             # One process per rank, each serving its own command socket (the cell view
             # replaces this text view from the first cell on).
             self._life = RankLifecycle(self._plan, CellTextView(), xla_threads=False)
@@ -363,9 +364,8 @@ class Ranks:
 
     def _view(self, ranks: list[int]) -> View:
         """A cell's view: the cell's output like a local cell's (``ui.cell_view``)."""
-        progress = self.progress
-        widgets = progress == "widgets" or (progress is True and widget_frontend())
-        return CellView(ranks, widgets=widgets, show_progress=progress is not False)
+        progress = self.options.progress
+        return CellView(ranks, widgets=wants_widgets(progress), show_progress=progress is not False)
 
     def __repr__(self) -> str:
         if not self.started:

@@ -12,13 +12,13 @@ import pickle
 import selectors
 import socket
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any
 
-from nbaccel.core.config import LaunchConfig
 from nbaccel.core.launch_state import LaunchState
 from nbaccel.core.session_messages import Hello
-from nbaccel.launch.plan import UNSET, LaunchPlan, resolve_plan
+from nbaccel.launch.options import UNSET, LaunchOptions
+from nbaccel.launch.plan import LaunchPlan, resolve_plan
 from nbaccel.launch.relay import Relay
 from nbaccel.launch.session_cell import RanksBrokenError
 from nbaccel.rank.session_entry import serve
@@ -46,26 +46,16 @@ class CellTextView(TextView):
         self._flush()
 
 
-def session_plan(o: dict[str, Any], address: str) -> LaunchPlan:
-    """The launch plan of a session: ``notebook_launcher``'s rules, ``serve`` as the function."""
-    config = LaunchConfig.load_default() or LaunchConfig()
-    if o["strategy"] is not None:
-        config = dataclasses.replace(config, strategy=o["strategy"])
-    env = dict(o["env"] or {})
-    nprocs = o["num_processes"]
-    if o["gpus"] is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in o["gpus"])
-        nprocs = len(o["gpus"]) if nprocs in (UNSET, None) else nprocs
-    return resolve_plan(
-        serve,
-        (address,),
-        {},
-        config=config,
-        num_processes=nprocs,
-        mixed_precision=o["mixed_precision"],
-        start_method=o["start_method"],
-        env=env,
-    )
+def session_plan(options: LaunchOptions, gpus: Sequence[int] | None, address: str) -> LaunchPlan:
+    """The launch plan of a session: ``notebook_launcher``'s rules, ``serve`` as the function;
+    ``gpus`` (e.g. ``[0, 1]``) maps rank i to the i-th listed GPU."""
+    if gpus is not None:
+        env = dict(options.env or {})
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpus)
+        nprocs = options.num_processes
+        nprocs = len(gpus) if nprocs in (UNSET, None) else nprocs
+        options = dataclasses.replace(options, env=env, num_processes=nprocs)
+    return resolve_plan(serve, (address,), {}, options)
 
 
 def accept_ranks(server: socket.socket, relay: Relay) -> dict[int, Connection]:

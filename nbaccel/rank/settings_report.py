@@ -16,11 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from nbaccel.core import events
-
-# Accelerate's DistributedType values that are one of nbaccel's strategies; every other one
-# (MULTI_CPU, MULTI_GPU, NO, ...) runs as DDP, or as one process, which the launch calls "ddp".
-STRATEGIES = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed", "XLA": "xla"}
+from nbaccel.core import events, strategy_registry
 
 # What was last sent: "nbaccel" once nbaccel's Accelerator reported, else the RankSettings read
 # from Accelerate's, or None.
@@ -58,7 +54,9 @@ def accelerate_settings() -> tuple[str, str, str, int] | None:
         accumulation = module.GradientState._shared_state.get("plugin_kwargs", {})
         return (
             str(shared["_mixed_precision"]),
-            STRATEGIES.get(str(kind), "ddp"),
+            # Accelerate's DistributedType value of a registered strategy; every other one
+            # (MULTI_CPU, MULTI_GPU, NO, ...) runs as DDP or one process: the launch's "ddp"
+            strategy_registry.by_accelerate_type(str(kind)) or "ddp",
             str(shared.get("device")),
             int(accumulation.get("num_steps", 1)),
         )

@@ -30,15 +30,25 @@ class View(Protocol):
         """The launch is over (any outcome): show the final summary."""
 
 
+def wants_widgets(progress: bool | str = True) -> bool:
+    """The one rule for widgets or text, for a launch's view and a ``%ranks`` cell's:
+    ``progress`` "widgets", or True where a widget frontend is attached.
+
+    >>> wants_widgets("text"), wants_widgets(False), wants_widgets("widgets")
+    (False, False, True)
+    """
+    return progress == "widgets" or (progress is True and widget_frontend())
+
+
 def choose_view(progress: bool | str = True) -> View:
-    """``progress``: True (pick by frontend), False (output lines only), "text" or "widgets"."""
+    """``progress``: True (pick by frontend), False (output lines only), "text" or "widgets".
+    A launch's own view (``notebook_launcher(view=...)``) is any object with
+    :class:`View`'s methods."""
     from nbaccel.ui.text import TextView
 
     if progress is False:
         return TextView(show_progress=False)
-    if progress == "text":
-        return TextView()
-    if progress == "widgets" or (progress is True and widget_frontend()):
+    if wants_widgets(progress):
         try:
             from nbaccel.ui.dashboard import Dashboard
         except ImportError:

@@ -13,8 +13,8 @@ import html
 import os
 from typing import Any
 
-from nbaccel.core import capabilities, hardware
-from nbaccel.core.config import MIXED_PRECISION_CHOICES, STRATEGY_CHOICES, ConfigError, LaunchConfig
+from nbaccel.core import capabilities, hardware, strategy_registry
+from nbaccel.core.config import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig
 
 LABEL_WIDTH = "15em"  # wide enough for "gradient accumulation steps"
 
@@ -85,7 +85,7 @@ def panel_text(
         current = "*" if c.value == cfg.mixed_precision else ""
         marks.append(f"{current}{c.value}" if c.enabled else f"({c.value}: {c.reason})")
     lines.append(f"  mixed_precision: {', '.join(marks)}")
-    lines.append(f"  strategy: {cfg.strategy} (one of {', '.join(STRATEGY_CHOICES)})")
+    lines.append(f"  strategy: {cfg.strategy} (one of {', '.join(strategy_registry.names())})")
     lines.append(f"  gradient_accumulation_steps: {cfg.gradient_accumulation_steps}")
     lines.append(f"  config file: {path}")
     lines.append(
@@ -140,7 +140,7 @@ class ConfigPanel:
         )
         self.precision_reasons = w.HTML(f"<div class='nbaccel-disabled-reasons'>{reasons}</div>")
         self.strategy = w.ToggleButtons(
-            options=[(s.upper(), s) for s in STRATEGY_CHOICES],
+            options=[(s.upper(), s) for s in strategy_registry.names()],
             value=config.strategy,
             style={"button_width": "auto"},  # whole names ("DEEPSPEED"), not "DEEPS..."
         )
@@ -188,7 +188,7 @@ class ConfigPanel:
         cfg = self.config
         if cfg.num_processes is not None and self.num_processes.value != cfg.num_processes:
             self.num_processes.value = min(cfg.num_processes, self.num_processes.max)
-        if self.strategy.value != cfg.strategy and cfg.strategy in STRATEGY_CHOICES:
+        if self.strategy.value != cfg.strategy and cfg.strategy in strategy_registry.names():
             self.strategy.value = cfg.strategy
         if self.gradient_accumulation_steps.value != cfg.gradient_accumulation_steps:
             self.gradient_accumulation_steps.value = cfg.gradient_accumulation_steps

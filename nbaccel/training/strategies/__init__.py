@@ -3,8 +3,10 @@ wrapping, backward, gradient sync, clipping, state dicts and checkpoint files
 (:class:`~nbaccel.training.strategies.base.Strategy`), and the prepared optimizer and scheduler
 that step through the precision and gradient accumulation (``prepared``).
 
-Adding a strategy means adding one module with a :class:`Strategy` subclass and a line in
-:func:`select_strategy`; the Accelerator only calls the interface.
+Adding a strategy means adding one module with a :class:`Strategy` subclass and one line that
+registers it by name (:func:`nbaccel.core.strategy_registry.register`); the config file, the
+command line, the config panel, the capability checks and :func:`select_strategy` read that
+registry, and the Accelerator only calls the interface.
 
 >>> from nbaccel.training.process import detect_state
 >>> select_strategy("ddp", detect_state(cpu=True)).name
@@ -13,9 +15,10 @@ Adding a strategy means adding one module with a :class:`Strategy` subclass and 
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
-from nbaccel.core.config import STRATEGY_CHOICES
+from nbaccel.core import strategy_registry
 from nbaccel.training.process import ProcessState
 from nbaccel.training.strategies.base import Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer, PreparedScheduler
@@ -33,7 +36,7 @@ def select_strategy(
     fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
     deepspeed_plugin: DeepSpeedPlugin | None = None,
 ) -> Strategy:
-    """The strategy called ``name`` ("ddp", "fsdp" or "deepspeed") for this process.
+    """The strategy registered as ``name`` ("ddp", "fsdp", "deepspeed", ...) for this process.
 
     Example::
 
@@ -48,18 +51,11 @@ def select_strategy(
         from nbaccel.training.strategies.xla import XLAStrategy
 
         return XLAStrategy(state)
-    if name == "ddp":
-        from nbaccel.training.strategies.ddp import DDPStrategy
-
-        return DDPStrategy(state)
-    if name == "fsdp":
-        from nbaccel.training.strategies.fsdp import FSDPStrategy
-
-        return FSDPStrategy(state, fsdp_plugin)  # None: settings from NBACCEL_FSDP_*
-    if name == "deepspeed":
-        from nbaccel.training.strategies.deepspeed import DeepSpeedStrategy
-
-        return DeepSpeedStrategy(state, deepspeed_plugin)  # None: NBACCEL_DEEPSPEED_*
-    raise ValueError(
-        f"strategy={name!r} is not known; choose one of {', '.join(map(repr, STRATEGY_CHOICES))}."
-    )
+    entry = strategy_registry.get(name)  # a ValueError listing the choices if unknown
+    module, _, class_name = entry.implementation.partition(":")
+    strategy_class = getattr(importlib.import_module(module), class_name)
+    # None: the strategy reads its settings from NBACCEL_FSDP_* / NBACCEL_DEEPSPEED_*
+    plugins = {"fsdp": fsdp_plugin, "deepspeed": deepspeed_plugin}
+    if entry.plugin is not None:
+        return strategy_class(state, plugins[entry.plugin])
+    return strategy_class(state)
