@@ -114,7 +114,24 @@ class RankSettings:
     gradient_accumulation_steps: int
 
 
-Event = Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings
+@dataclasses.dataclass
+class Paused:
+    """The rank waits for a person: its ``breakpoint()`` or ``input()`` asks the kernel for
+    lines (``rank.debugger``). The rank listens at ``address``, a Unix socket opened for this
+    pause only; the kernel connects with ``authkey`` and relays the conversation
+    (``launch.debugging``). ``reason`` ("breakpoint()", "input()") and where the rank stopped
+    are for the views."""
+
+    rank: int
+    reason: str
+    file: str
+    line: int
+    function: str
+    address: str
+    authkey: bytes
+
+
+Event = Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings | Paused
 
 
 class _Channel:

@@ -28,6 +28,7 @@ from nbaccel.core.launch_state import LaunchState
 from nbaccel.core.launch_state import RankStatus as Status
 from nbaccel.launch import root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
+from nbaccel.launch.debugging import Debugging
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.launch.output_logs import LaunchLogs
@@ -50,6 +51,7 @@ class Relay:
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
         self._logs = LaunchLogs(state)  # every byte of stdout/stderr, whatever the view shows
         self.selector = selectors.DefaultSelector()
+        self.debug = Debugging(state)  # ranks paused in breakpoint()/input()
 
     def register(self) -> None:
         """Watch every rank's four pipes and exit sentinel."""
@@ -161,6 +163,8 @@ class Relay:
             self.ended[event.rank] = how
         elif isinstance(event, events.Leftovers):
             self._leftovers += [(pid, cmd, event.rank) for pid, cmd in event.processes]
+        elif isinstance(event, events.Paused):
+            self._on_paused(event)
         elif isinstance(event, events.Failure):
             summary = describe_raise(event.exc_type, event.message)
             error = RankFailedError(
@@ -172,6 +176,19 @@ class Relay:
                 original=load_exception(event.exception),
             )
             self.record_failure(event.rank, error, summary.removeprefix("raised "))
+
+    def _on_paused(self, event: events.Paused) -> None:
+        """A rank waits for a person: what it printed first is shown first, then the kernel
+        relays its conversation (``launch.debugging``) on a connection the loop watches."""
+        r = next(p for p in self.group.ranks if p.rank == event.rank)
+        for stream in ("stdout", "stderr"):
+            while self.read(r, stream):
+                pass
+        self.debug.on_paused(event, lambda fd: self.watch(fd, (r, "debug")))
+
+    def answer_debugger(self, r: RankProcess) -> None:
+        """The loop saw ``r``'s debugging connection readable (see ``Debugging.answer``)."""
+        self.debug.answer(r.rank, self.unwatch)
 
     def record_failure(self, rank: int, error: RankFailedError, line: str) -> None:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""
@@ -237,6 +254,7 @@ class Relay:
     def close(self) -> None:
         """Close every rank's pipes and the selector (the ranks have been reaped)."""
         self.state.ended_at = time.monotonic()
+        self.debug.close()
         for r in self.group.ranks:
             with contextlib.suppress(OSError):
                 r.close_pipes()

@@ -7,6 +7,7 @@ It never imports IPython or the views.
 
 from __future__ import annotations
 
+import builtins
 import faulthandler
 import os
 import signal
@@ -18,6 +19,7 @@ from nbaccel.core.disk_space import OutOfSpaceError
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import (
     containment,
+    debugger,
     exit,
     process_setup,
     reporting,
@@ -108,6 +110,7 @@ def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_
     proctitle.set_title(f"nbaccel rank {spec.rank} of {spec.world_size}")
     process_setup.redirect_output(out_w.fileno(), err_w.fileno())
     process_setup.refuse_keyboard_input()
+    debugger.install(fallback_input=builtins.input)  # asks the notebook where it can
     diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
     faulthandler.enable(file=diag, all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, file=diag, all_threads=True, chain=False)
