@@ -198,3 +198,39 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_other_ranks_run_on_while_a_rank_waits_at_its_prompt(kernel, tmp_path):
+    """Rank 0 prints far more than a pipe holds while rank 1 waits at its prompt: the kernel
+    keeps reading, so rank 0 gets past its prints before anyone answers rank 1."""
+    past = tmp_path / "rank0-past-its-prints"
+    prompted = tmp_path / "rank1-at-its-prompt"
+    seen: list[bool] = []
+
+    def answer_once_rank_0_is_past(prompt: str) -> str:
+        prompted.touch()
+        deadline = time.monotonic() + 30
+        while not past.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen.append(past.exists())
+        return "c"
+
+    result = kernel.execute(
+        cell(f"""
+        def train():
+            if int(os.environ["RANK"]) == 1:
+                breakpoint()
+                return 1
+            while not os.path.exists({str(prompted)!r}):
+                time.sleep(0.01)
+            for i in range(3000):
+                print(f"line {{i}} " + "x" * 100)
+            open({str(past)!r}, "w").close()
+            return 0
+
+        nbaccel.notebook_launcher(train, num_processes=2)
+        """),
+        answer=answer_once_rank_0_is_past,
+    )
+    assert result.error is None, result.error_text
+    assert seen == [True], "rank 0 was blocked while rank 1 waited at its prompt"

@@ -60,6 +60,9 @@ class Debugging:
 
     def __init__(self, state: LaunchState) -> None:
         self.state = state
+        # Made by the thread that follows the ranks: the kernel's main thread prompts itself; a
+        # background launch's thread keeps paused ranks waiting for ``launch.debug()``.
+        self.prompts = can_prompt()
         self.connections: dict[int, Connection] = {}
         self.waiting: dict[int, events.Paused] = {}  # paused where nobody may prompt yet
 
@@ -71,7 +74,7 @@ class Debugging:
         """A rank paused: show where; connect now if this thread can prompt (``watch`` the
         connection's descriptor for the loop), else keep it waiting for someone who can."""
         self.state.ranks[event.rank].paused = where(event)
-        if can_prompt():
+        if self.prompts:
             self.connect(event, watch)
         else:
             self.waiting[event.rank] = event
@@ -87,8 +90,14 @@ class Debugging:
         self.connections[event.rank] = conn
         watch(conn.fileno())
 
-    def answer(self, rank: int, unwatch: Callable[[int], None]) -> None:
-        """Relay what ``rank`` sent: print its output, answer its questions from the notebook.
+    def answer(
+        self,
+        rank: int,
+        unwatch: Callable[[int], None],
+        meanwhile: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
+        """Relay what ``rank`` sent: print its output, answer its questions from the notebook
+        (``meanwhile``: what runs while the person types, e.g. reading the other ranks).
 
         Raises ``KeyboardInterrupt`` for pdb's ``q`` and for Ctrl-C at the prompt: the launch
         stops as it does for the Stop button."""
@@ -102,7 +111,9 @@ class Debugging:
                     sys.stdout.write(rest[0])
                     sys.stdout.flush()
                 elif kind == "ask":
-                    conn.send(self._ask(rest[0]))
+                    with meanwhile():
+                        reply = self._ask(rest[0])
+                    conn.send(reply)
                 elif kind == "quit":
                     sys.stdout.flush()
                     raise KeyboardInterrupt(f"q in the debugger of rank {rank}")

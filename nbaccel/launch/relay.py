@@ -11,12 +11,15 @@ results and failures; what to do about them (stop the others, time out) is the j
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import pickle
 import selectors
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -35,6 +38,7 @@ from nbaccel.launch.output_logs import LaunchLogs
 from nbaccel.ui import View
 
 STACK_WAIT = 2.0  # seconds to wait for stack dumps at a timeout
+TICK = 0.05  # s between looks at the pipes while a person types at a rank's prompt
 
 
 class Relay:
@@ -188,7 +192,36 @@ class Relay:
 
     def answer_debugger(self, r: RankProcess) -> None:
         """The loop saw ``r``'s debugging connection readable (see ``Debugging.answer``)."""
-        self.debug.answer(r.rank, self.unwatch)
+        self.debug.answer(r.rank, self.unwatch, self.reading_meanwhile)
+
+    @contextlib.contextmanager
+    def reading_meanwhile(self) -> Iterator[None]:
+        """While the loop's thread waits for a person at a rank's prompt, a thread reads the
+        ranks' pipes and updates the view, so the other ranks run on (their output never fills
+        a pipe) and the views stay live; exits, replies and prompts wait for the loop."""
+        done = threading.Event()
+
+        def pump() -> None:
+            while not done.is_set():
+                read = False
+                for key, _ in self.selector.select(TICK):
+                    r, kind = key.data
+                    if kind in ("stdout", "stderr", "diag", "events"):
+                        read = self.read(r, kind) or read
+                self.view.update()
+                if not read:
+                    done.wait(TICK)  # a sentinel or a connection stays ready: not a busy loop
+
+        # In this cell's context, so what the view prints stays in the cell (ipykernel).
+        thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(pump,), name="nbaccel-read", daemon=True
+        )
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def record_failure(self, rank: int, error: RankFailedError, line: str) -> None:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""
