@@ -31,6 +31,7 @@ _LAZY = {
     "Launch": "nbaccel.launch.launch",
     "RayCluster": "nbaccel.cluster.ray_cluster",
     "Ranks": "nbaccel.launch.session",
+    "debug": "nbaccel.launch.post_mortem",
     "LaunchConfig": "nbaccel.core.config",
     "ConfigError": "nbaccel.core.config",
     "LaunchError": "nbaccel.core.errors",

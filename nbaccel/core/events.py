@@ -100,6 +100,8 @@ class Failure:
     message: str
     traceback: str  # formatted, user frames only
     exception: bytes | None  # the pickled exception, when it pickles
+    # The user's frames and their locals for a post-mortem in the kernel (``core.snapshot``).
+    frames: bytes | None = None
 
 
 @dataclasses.dataclass

@@ -271,6 +271,9 @@ def register(shell: Any) -> RanksMagics:
     shell.input_transformers_cleanup.append(magics.transform)
     shell.Completer.custom_matchers.append(magics.complete)
     shell._nbaccel_ranks_magics = magics
+    from nbaccel.launch.post_mortem import wrap_debug_magic
+
+    wrap_debug_magic(shell)  # %debug after a failed launch: the rank's frames
     atexit.register(magics._stop_at_exit)
     return magics
 

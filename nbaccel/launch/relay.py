@@ -29,7 +29,7 @@ from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_raise
 from nbaccel.core.launch_state import LaunchState
 from nbaccel.core.launch_state import RankStatus as Status
-from nbaccel.launch import root_cause
+from nbaccel.launch import post_mortem, root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
 from nbaccel.launch.debugging import Debugging
 from nbaccel.launch.group import RankGroup, RankProcess
@@ -179,6 +179,7 @@ class Relay:
                 exc_type=event.exc_type,
                 original=load_exception(event.exception),
             )
+            post_mortem.remember(error, event.rank, event.frames)  # for %debug
             self.record_failure(event.rank, error, summary.removeprefix("raised "))
 
     def _on_paused(self, event: events.Paused) -> None:

@@ -14,7 +14,15 @@ import signal
 import sys
 from typing import Any
 
-from nbaccel.core import events, pickling, processes, proctitle, rendezvous, shared_tensors
+from nbaccel.core import (
+    events,
+    pickling,
+    processes,
+    proctitle,
+    rendezvous,
+    shared_tensors,
+    snapshot,
+)
 from nbaccel.core.disk_space import OutOfSpaceError
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import (
@@ -153,7 +161,9 @@ def run_job(
     if flush_metrics:
         reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:
-        events.emit(exit.failure_event(failure, spec.rank, is_plumbing))
+        event = exit.failure_event(failure, spec.rank, is_plumbing)
+        event.frames = snapshot.take(failure)  # for %debug in the kernel
+        events.emit(event)
     else:
         exited = 0 if isinstance(raised, SystemExit) else None
         events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))
