@@ -234,3 +234,19 @@ def test_other_ranks_run_on_while_a_rank_waits_at_its_prompt(kernel, tmp_path):
     )
     assert result.error is None, result.error_text
     assert seen == [True], "rank 0 was blocked while rank 1 waited at its prompt"
+
+
+def test_input_where_the_frontend_sends_no_input_is_an_eoferror_that_says_why(kernel):
+    result = kernel.execute(  # no answer: the request says allow_stdin=False
+        cell("""
+        def ask():
+            try:
+                return input("name? ")
+            except EOFError as exc:
+                return str(exc)
+
+        print(nbaccel.notebook_launcher(ask, num_processes=2))
+        """)
+    )
+    assert result.error is None, result.error_text
+    assert "on rank 0: this frontend does not send input to the kernel" in result.stdout

@@ -26,6 +26,7 @@ import builtins
 import collections
 import functools
 import sys
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:  # loaded with the first post-mortem: %debug is wrapped at `im
 KEPT = 4  # failures whose frames are kept (the newest), for %debug after them
 _RECORDS: collections.OrderedDict[int, tuple[BaseException, int, bytes]] = collections.OrderedDict()
 _NEXT, _RAISE = "__nbaccel_next__", "__nbaccel_exc__"
+# Debuggers for errors whose ranks are still alive (a %%ranks cell's): each says whether it
+# took the error (and debugged it). ``%ranks`` adds its own (``launch.magics``).
+LIVE: list[Callable[[BaseException | None], bool]] = []
 
 
 def remember(error: BaseException, rank: int, frames: bytes | None) -> None:
@@ -168,6 +172,8 @@ def debug(error: BaseException | None = None) -> None:
     ValueError: nothing to debug: ValueError is not a rank's failure ...
     """
     error = error if error is not None else last_error()
+    if any(live(error) for live in LIVE):
+        return
     found = find(error)
     if found is None:
         what = type(error).__name__ if error is not None else "no error"
@@ -206,8 +212,9 @@ def wrap_debug_magic(shell: Any) -> None:
     original_cell = original_cell or original
 
     def debug_magic(line: str = "", cell: str | None = None, local_ns: Any = None) -> Any:
-        if not line.strip() and cell is None and find(last_error()) is not None:
-            return debug()
+        error = last_error()
+        if not line.strip() and cell is None and (find(error) or any(f(error) for f in LIVE)):
+            return debug(error) if find(error) else None
         if cell is not None:
             return original_cell(line, cell, local_ns=local_ns)
         return original(line, local_ns=local_ns)

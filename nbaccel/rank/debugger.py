@@ -275,8 +275,9 @@ class RankPdb(pdb.Pdb):
     with ``BdbQuit``.
     """
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, post_mortem: bool = False) -> None:
         self.console = console
+        self.post_mortem = post_mortem  # q ends the post-mortem only: the rank has failed
         self._output = _PdbOutput(console)
         super().__init__(
             stdin=_PdbInput(console, self._output, self._unavailable),  # type: ignore[arg-type]
@@ -333,6 +334,8 @@ class RankPdb(pdb.Pdb):
 
     def _quit(self, arg: str) -> Any:
         self._output.flush()
+        if self.post_mortem:
+            return super().do_quit(arg)
         self.console.quit()  # returns only if the kernel let go without stopping the rank
         return super().do_quit(arg)
 
@@ -381,6 +384,25 @@ def _address() -> tuple[str, str | None]:
 CONSOLE = Console()
 
 
+def post_mortem(exc: BaseException) -> None:
+    """pdb in the notebook on ``exc``'s traceback: the real frames of this rank (a ``%ranks``
+    rank, alive after its cell failed), from the user's first frame."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("nbaccel."):
+        tb = tb.tb_next
+    if tb is None:
+        raise LookupError("the failure has no frames of the user's code to debug")
+    last = tb
+    while last.tb_next is not None:
+        last = last.tb_next
+    debugger = RankPdb(CONSOLE, post_mortem=True)
+    with CONSOLE.session("post-mortem", last.tb_frame) as console:
+        if not console.is_open:
+            raise RuntimeError("no kernel to talk to: this process is not a notebook's rank")
+        debugger.reset()
+        debugger.interaction(None, tb)
+
+
 def breakpointhook(*args: Any, **kwargs: Any) -> Any:
     """``sys.breakpointhook`` of a rank: pdb in the notebook, unless ``PYTHONBREAKPOINT`` says
     otherwise (``0`` turns ``breakpoint()`` off, another hook is used as it would be)."""
@@ -413,7 +435,10 @@ def install(fallback_input: Callable[..., str]) -> None:
             try:
                 return console.ask(f"[rank {console.rank}] {prompt}")
             except NoKeyboard as why:
-                raise EOFError(f"input({prompt!r}) on rank {console.rank}: {why}") from None
+                reason = f"input({prompt!r}) on rank {console.rank}: {why}"
+        sys.stdout.write(str(prompt))  # the prompt still shows, as with the builtin
+        sys.stdout.flush()
+        raise EOFError(reason)
 
     builtins.input = input
     sys.breakpointhook = breakpointhook
