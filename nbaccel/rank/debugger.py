@@ -38,11 +38,16 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener
 from types import FrameType
 from typing import Any
 
 from nbaccel.core import events
+
+# Under ``nbaccel launch`` (no event pipe) a rank reaches the launcher's terminal here
+# (``cli.debugging``): a Unix socket address and the hex key that authenticates to it.
+ENV_ADDRESS = "NBACCEL_DEBUG_ADDRESS"
+ENV_KEY = "NBACCEL_DEBUG_KEY"
 
 # The modules whose frames call the user's code; the first user frame below them is where a
 # rank's pdb stack starts (``up`` goes no further), and returning from it ends the debugging.
@@ -81,7 +86,10 @@ class Console:
 
     @property
     def rank(self) -> int | None:
-        return events.current_rank()
+        rank = events.current_rank()
+        if rank is None and os.environ.get(ENV_ADDRESS):
+            return int(os.environ.get("RANK", "0"))
+        return rank
 
     @property
     def is_open(self) -> bool:
@@ -111,6 +119,42 @@ class Console:
         for stream in (sys.stdout, sys.stderr):  # what it printed before reads before the prompt
             with contextlib.suppress(Exception):
                 stream.flush()
+        if events.current_rank() is None:
+            conn = self._call_launcher(rank, reason, frame)
+            if conn is None:
+                return False
+        else:
+            conn = self._wait_for_kernel(rank, reason, frame)
+            if conn is None:
+                return False
+        kind, labels = conn.recv()
+        self.labels = labels if kind == "labels" else {}
+        self._conn = conn
+        self._redirect_streams()
+        return True
+
+    @staticmethod
+    def _call_launcher(rank: int, reason: str, frame: FrameType) -> Connection | None:
+        """``nbaccel launch``: connect to the launcher's terminal, which serves one rank at a
+        time (this waits in its queue)."""
+        try:
+            address = os.environ[ENV_ADDRESS]
+            if address.startswith("@"):  # a Linux abstract name (no NUL in an environment)
+                address = "\0" + address[1:]
+            conn = Client(
+                address,
+                family="AF_UNIX",
+                authkey=bytes.fromhex(os.environ.get(ENV_KEY, "")),
+            )
+        except (OSError, ValueError, EOFError):
+            return None
+        code = frame.f_code
+        conn.send(("paused", rank, reason, code.co_filename, frame.f_lineno, code.co_name))
+        return conn
+
+    @staticmethod
+    def _wait_for_kernel(rank: int, reason: str, frame: FrameType) -> Connection | None:
+        """A notebook's rank: listen, tell the kernel on the event pipe, wait for it."""
         authkey = os.urandom(32)
         address, folder = _address()
         try:
@@ -120,16 +164,11 @@ class Console:
                     rank, reason, code.co_filename, frame.f_lineno, code.co_name, address, authkey
                 )
                 if not events.emit(paused):
-                    return False
-                conn = listener.accept()  # until the kernel (or launch.debug()) comes
+                    return None
+                return listener.accept()  # until the kernel (or launch.debug()) comes
         finally:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
-        kind, labels = conn.recv()
-        self.labels = labels if kind == "labels" else {}
-        self._conn = conn
-        self._redirect_streams()
-        return True
 
     def _redirect_streams(self) -> None:
         """What the rank prints while a person talks to it reads in the conversation (pdb's
@@ -185,7 +224,8 @@ class Console:
         conn = self._conn
         if conn is None:
             return
-        with contextlib.suppress(OSError, ValueError, EOFError):
+        # KeyboardInterrupt: the stop may come as SIGINT (nbaccel launch's agent forwards it).
+        with contextlib.suppress(OSError, ValueError, EOFError, KeyboardInterrupt):
             self._send(("quit",))
             while True:
                 conn.recv()  # until the kernel stops this rank, or closes (then pdb's BdbQuit)
