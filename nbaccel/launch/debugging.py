@@ -28,6 +28,8 @@ from nbaccel.core import events
 from nbaccel.core.launch_state import LaunchState
 from nbaccel.core.local_traceback import cell_label
 
+DEBUG_HINT = "run launch.debug() in a cell to debug it"
+
 
 def where(event: events.Paused, label: Callable[[str], str | None] = cell_label) -> str:
     """What the views say of a paused rank, after "rank 1 paused in".
@@ -65,6 +67,7 @@ class Debugging:
         self.prompts = can_prompt()
         self.connections: dict[int, Connection] = {}
         self.waiting: dict[int, events.Paused] = {}  # paused where nobody may prompt yet
+        self._quit = False  # q in a conversation served by serve_here
 
     def holding(self) -> bool:
         """Whether a rank is paused for a person (the timeout and stall detection wait)."""
@@ -73,11 +76,57 @@ class Debugging:
     def on_paused(self, event: events.Paused, watch: Callable[[int], None]) -> None:
         """A rank paused: show where; connect now if this thread can prompt (``watch`` the
         connection's descriptor for the loop), else keep it waiting for someone who can."""
-        self.state.ranks[event.rank].paused = where(event)
         if self.prompts:
+            self.state.ranks[event.rank].paused = where(event)
             self.connect(event, watch)
         else:
+            self.state.ranks[event.rank].paused = f"{where(event)}: {DEBUG_HINT}"
             self.waiting[event.rank] = event
+
+    def serve_here(self, on_quit: Callable[[], None]) -> int:
+        """Relay the waiting ranks' conversations in this thread, one rank after the other,
+        until none waits (a background launch's ``launch.debug()``, in the cell that calls
+        it); how many were served. pdb's ``q``, and Ctrl-C at the prompt, call ``on_quit``
+        (the launch stops)."""
+        served = 0
+        while self.waiting:
+            rank, event = next(iter(self.waiting.items()))
+            self.state.ranks[rank].paused = where(event)
+            self.connect(event, watch=lambda fd: None)
+            conn = self.connections.get(rank)
+            if conn is None:
+                continue
+            served += 1
+            try:
+                while self._relay_one(conn):
+                    pass
+            except KeyboardInterrupt:
+                on_quit()
+                raise
+            except (OSError, EOFError):
+                pass
+            finally:
+                self._close(rank, unwatch=lambda fd: None)
+            if self._quit:  # q: the launch stops (this rank waits to be stopped with it)
+                self._quit = False
+                on_quit()
+                break
+        return served
+
+    def _relay_one(self, conn: Connection) -> bool:
+        """One message of a conversation relayed here (blocking); whether it goes on."""
+        kind, *rest = conn.recv()
+        if kind == "out":
+            sys.stdout.write(rest[0])
+            sys.stdout.flush()
+        elif kind == "ask":
+            conn.send(self._ask(rest[0]))
+        elif kind == "quit":
+            self._quit = True
+            return False
+        else:
+            return False
+        return True
 
     def connect(self, event: events.Paused, watch: Callable[[int], None]) -> None:
         self.waiting.pop(event.rank, None)

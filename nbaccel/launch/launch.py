@@ -135,6 +135,7 @@ class Launch:
         self._stopping = threading.Event()
         self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._thread: threading.Thread | None = None
+        self._relay: Relay | None = None  # the current attempt's (its paused ranks: debug())
 
     # -- running ----------------------------------------------------------------------------
 
@@ -203,7 +204,7 @@ class Launch:
         life = RankLifecycle(self.plan, view)
         self.state = life.state
         try:
-            relay = life.start()
+            relay = self._relay = life.start()
         except KeyboardInterrupt as exc:  # its message says what was stopped
             raise exc.with_traceback(None)  # noqa: B904 - nbaccel's frames are noise here
         try:
@@ -268,6 +269,17 @@ class Launch:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def debug(self) -> int:
+        """Open pdb, in the cell that calls this, on each rank of this background launch that
+        waits in ``breakpoint()`` or ``input()`` (one after the other; the dashboard says
+        "rank 1 paused in ..."). ``q`` or Ctrl-C at the prompt stops the launch, as ``stop()``
+        does. Returns how many ranks were served (0: none was paused).
+        """
+        relay = self._relay
+        if relay is None:
+            return 0
+        return relay.debug.serve_here(on_quit=self._stopping.set)
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._ended().__await__()
