@@ -81,7 +81,7 @@ def test_breakpoint_on_rank_1_opens_pdb_in_the_cell(kernel):
     assert "103" in out  # after `n`: the appended element, on the rank's real list
     assert "[7, 4, 1, 3]" in out  # a local assigned
     # Where it stopped reads like the cell, and `w` shows the user's frame only.
-    assert re.search(r"> Cell In\[\d+\]\(8\)train\(\)", out), out
+    assert re.search(r"> Cell In\[\d+\], line 8, in train\(\)", out), out
     assert "nbaccel/rank/entry.py" not in out
     assert result.results[-1]["text/plain"] == "7"  # rank 0's value: 3 + 4 + 0
 

@@ -48,6 +48,9 @@ from nbaccel.core import events
 # (``cli.debugging``): a Unix socket address and the hex key that authenticates to it.
 ENV_ADDRESS = "NBACCEL_DEBUG_ADDRESS"
 ENV_KEY = "NBACCEL_DEBUG_KEY"
+# Set for ranks the kernel cannot reach by a Unix socket (a Ray cluster's nodes): their
+# breakpoint() is skipped with a line saying so, and input() refuses as a rank without a kernel.
+ENV_UNREACHABLE = "NBACCEL_DEBUG_UNREACHABLE"
 
 # The modules whose frames call the user's code; the first user frame below them is where a
 # rank's pdb stack starts (``up`` goes no further), and returning from it ends the debugging.
@@ -86,6 +89,8 @@ class Console:
 
     @property
     def rank(self) -> int | None:
+        if os.environ.get(ENV_UNREACHABLE):
+            return None
         rank = events.current_rank()
         if rank is None and os.environ.get(ENV_ADDRESS):
             return int(os.environ.get("RANK", "0"))
@@ -392,7 +397,8 @@ class RankPdb(pdb.Pdb):
         filename = frame.f_code.co_filename
         label = self.console.labels.get(filename)
         if label:
-            text = text.replace(f"{self.canonic(filename)}({lineno})", f"{label}({lineno})", 1)
+            where = f"{label}, line {lineno}, in "  # as IPython names a cell's line
+            text = text.replace(f"{self.canonic(filename)}({lineno})", where, 1)
         return text
 
 
@@ -448,6 +454,14 @@ def breakpointhook(*args: Any, **kwargs: Any) -> Any:
     otherwise (``0`` turns ``breakpoint()`` off, another hook is used as it would be)."""
     chosen = os.environ.get("PYTHONBREAKPOINT", "")
     if chosen == "0":
+        return None
+    if os.environ.get(ENV_UNREACHABLE) and chosen in ("", "pdb.set_trace"):
+        print(
+            f"nbaccel: breakpoint() skipped on rank {events.current_rank()}: the notebook cannot "
+            "reach a rank on a Ray cluster to debug it",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     if chosen not in ("", "pdb.set_trace") or not CONSOLE.available():
         return sys.__breakpointhook__(*args, **kwargs)
