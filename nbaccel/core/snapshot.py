@@ -82,9 +82,18 @@ def _same(value: Any) -> Any:
 
 
 class _Pickler(pickling._Pickler):  # noqa: SLF001 - the rank's cloudpickle, file names kept
-    """Tensors go detached and on the CPU (the kernel has no GPU context to load them into)."""
+    """Tensors go detached and on the CPU (the kernel has no GPU context to load them into); a
+    tensor or array bigger than what is left of the limit stops the pickling before it is
+    copied (a model's GPU weights are never copied to the CPU only to be dropped)."""
+
+    def __init__(self, file: _Capped) -> None:
+        super().__init__(file, cloudpickle.DEFAULT_PROTOCOL)
+        self._capped = file
 
     def reducer_override(self, obj: Any) -> Any:
+        nbytes = _array_bytes(obj)
+        if nbytes is not None and nbytes > self._capped.limit - self._capped.tell():
+            raise _TooBig
         torch = sys.modules.get("torch")
         if (
             torch is not None
@@ -93,6 +102,17 @@ class _Pickler(pickling._Pickler):  # noqa: SLF001 - the rank's cloudpickle, fil
         ):
             return _same, (obj.detach().to("cpu").as_subclass(torch.Tensor),)
         return super().reducer_override(obj)
+
+
+def _array_bytes(value: Any) -> int | None:
+    """The bytes of a tensor's or numpy array's data, else ``None``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return int(value.element_size() * value.nelement())
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return int(value.nbytes)
+    return None
 
 
 def _type_name(value: Any) -> str:
@@ -137,16 +157,12 @@ def dump_value(value: Any, limit: int = VALUE_LIMIT) -> bytes | Unsent:
     >>> import threading; dump_value(threading.Lock()).why
     'cannot be pickled: TypeError'
     """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        size = value.element_size() * value.nelement()
-        if size > limit:
-            return Unsent(
-                _type_name(value), _detail(value), f"{_mib(size)}, over {_mib(limit)}", ""
-            )
+    size = _array_bytes(value)
+    if size is not None and size > limit:
+        return Unsent(_type_name(value), _detail(value), f"{_mib(size)}, over {_mib(limit)}", "")
     buffer = _Capped(limit)
     try:
-        _Pickler(buffer, cloudpickle.DEFAULT_PROTOCOL).dump(value)
+        _Pickler(buffer).dump(value)
     except _TooBig:
         return Unsent(_type_name(value), _detail(value), f"over {_mib(limit)}", _short_repr(value))
     except Exception as exc:  # noqa: BLE001 - anything unpicklable is described instead
