@@ -249,4 +249,4 @@ def test_input_where_the_frontend_sends_no_input_is_an_eoferror_that_says_why(ke
         """)
     )
     assert result.error is None, result.error_text
-    assert "on rank 0: this frontend does not send input to the kernel" in result.stdout
+    assert "cannot read in a rank (rank 0): this frontend does not send input" in result.stdout

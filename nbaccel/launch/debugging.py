@@ -180,6 +180,8 @@ class Debugging:
             return ("eof",)
         except NotImplementedError:  # IPython's StdinNotImplementedError: no input box
             return ("unavailable", "this frontend does not send input to the kernel")
+        except OSError as exc:  # a stdin that cannot be read (captured, closed)
+            return ("unavailable", f"the launching process cannot read input ({exc})")
 
     def _close(self, rank: int, unwatch: Callable[[int], None]) -> None:
         conn = self.connections.pop(rank, None)

@@ -489,7 +489,11 @@ def install(fallback_input: Callable[..., str]) -> None:
             try:
                 return console.ask(f"[rank {console.rank}] {prompt}")
             except NoKeyboard as why:
-                reason = f"input({prompt!r}) on rank {console.rank}: {why}"
+                reason = (
+                    f"input({prompt!r}) cannot read in a rank (rank {console.rank}): {why}. Ask "
+                    "before the launch and pass the answer in, e.g. "
+                    "notebook_launcher(train, args=(answer,))."
+                )
         sys.stdout.write(str(prompt))  # the prompt still shows, as with the builtin
         sys.stdout.flush()
         raise EOFError(reason)
