@@ -250,3 +250,25 @@ def test_input_where_the_frontend_sends_no_input_is_an_eoferror_that_says_why(ke
     )
     assert result.error is None, result.error_text
     assert "cannot read in a rank (rank 0): this frontend does not send input" in result.stdout
+
+
+def test_two_ranks_that_pause_are_served_one_after_the_other(kernel):
+    typist = Typist("p mine", "c", "p mine", "c")
+    result = kernel.execute(
+        cell("""
+        def both():
+            mine = f"rank {os.environ['RANK']}'s value"
+            breakpoint()
+            return mine
+
+        nbaccel.notebook_launcher(both, num_processes=2, return_all=True)
+        """),
+        answer=typist,
+    )
+    assert result.error is None, result.error_text
+    # Each rank's prompt twice in a row: one conversation at a time, never interleaved.
+    first, second = typist.prompts[0], typist.prompts[2]
+    assert typist.prompts == [first, first, second, second]
+    assert {first, second} == {"(Pdb rank 0) ", "(Pdb rank 1) "}
+    assert "'rank 0's value'" in result.stdout.replace('"', "'")
+    assert result.results[-1]["text/plain"] == '["rank 0\'s value", "rank 1\'s value"]'

@@ -21,6 +21,7 @@ import contextlib
 import linecache
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 
@@ -28,6 +29,9 @@ from nbaccel.core import events
 from nbaccel.core.launch_state import LaunchState
 from nbaccel.core.local_traceback import cell_label
 
+# Seconds the rank answered last keeps the notebook's keyboard while it runs between prompts
+# (another rank's question waits that long before it is asked).
+STAY_WITH_CURRENT = 0.5
 DEBUG_HINT = "run launch.debug() in a cell to debug it"
 
 
@@ -68,6 +72,8 @@ class Debugging:
         self.connections: dict[int, Connection] = {}
         self.waiting: dict[int, events.Paused] = {}  # paused where nobody may prompt yet
         self._quit = False  # q in a conversation served by serve_here
+        self._current: int | None = None  # the rank answered last, and when
+        self._answered_at = 0.0
 
     def holding(self) -> bool:
         """Whether a rank is paused for a person (the timeout and stall detection wait)."""
@@ -153,6 +159,15 @@ class Debugging:
         conn = self.connections.get(rank)
         if conn is None:
             return
+        current = self.connections.get(self._current) if self._current is not None else None
+        if current is not None and self._current != rank:
+            # One conversation at a time: the rank answered last usually asks again at once
+            # (its next prompt); only one that runs on (a long `n`) lets another rank in.
+            wait = STAY_WITH_CURRENT - (time.monotonic() - self._answered_at)
+            if wait > 0 and current.poll(wait):
+                assert self._current is not None
+                self.answer(self._current, unwatch, meanwhile)
+                return
         try:
             while conn.poll(0):
                 kind, *rest = conn.recv()
@@ -163,6 +178,7 @@ class Debugging:
                     with meanwhile():
                         reply = self._ask(rest[0])
                     conn.send(reply)
+                    self._current, self._answered_at = rank, time.monotonic()
                 elif kind == "quit":
                     sys.stdout.flush()
                     raise KeyboardInterrupt(f"q in the debugger of rank {rank}")
@@ -184,6 +200,8 @@ class Debugging:
             return ("unavailable", f"the launching process cannot read input ({exc})")
 
     def _close(self, rank: int, unwatch: Callable[[int], None]) -> None:
+        if self._current == rank:
+            self._current = None
         conn = self.connections.pop(rank, None)
         if conn is not None:
             with contextlib.suppress(OSError, ValueError):
