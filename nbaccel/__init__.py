@@ -32,6 +32,7 @@ _LAZY = {
     "LaunchOptions": "nbaccel.launch.options",
     "RayCluster": "nbaccel.cluster.ray_cluster",
     "Ranks": "nbaccel.launch.session",
+    "debug": "nbaccel.launch.post_mortem",
     "LaunchConfig": "nbaccel.core.config",
     "ConfigError": "nbaccel.core.config",
     "LaunchError": "nbaccel.core.errors",

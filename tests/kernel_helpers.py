@@ -13,12 +13,15 @@ import dataclasses
 import os
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 from jupyter_client.manager import KernelManager
 
 from tests.conftest import LONG_LIVED
+
+STDIN_POLL = 0.05  # s between looks at the stdin channel while a cell may ask for input
 
 
 @dataclasses.dataclass
@@ -27,6 +30,8 @@ class Cell:
 
     messages: list[dict[str, Any]]
     reply: dict[str, Any]
+    # The prompts of the kernel's input_requests, in order, when the cell ran with ``answer``.
+    prompts: list[str] = dataclasses.field(default_factory=list)
 
     def _streams(self, name: str) -> str:
         return "".join(
@@ -127,21 +132,34 @@ class KernelSession:
     def pid(self) -> int:
         return self.manager.provisioner.process.pid
 
-    def execute(self, code: str, timeout: float = 180, on_message=None) -> Cell:
+    def execute(
+        self,
+        code: str,
+        timeout: float = 180,
+        on_message=None,
+        answer: Callable[[str], str | None] | None = None,
+    ) -> Cell:
         """Run ``code`` as a cell; return once the kernel is idle again for it.
 
         ``on_message(msg)`` sees each iopub message as it arrives (e.g. to interrupt the kernel
-        once some output has appeared).
+        once some output has appeared). ``answer``: the cell may ask for input (``input()``,
+        pdb), as a frontend allows; each ``input_request`` is answered with ``answer(prompt)``
+        in an ``input_reply``, as JupyterLab's input box does (``None``: leave it unanswered,
+        e.g. to interrupt or shut the kernel down at the prompt).
         """
-        msg_id = self.last_msg_id = self.client.execute(code)
+        msg_id = self.last_msg_id = self.client.execute(code, allow_stdin=answer is not None)
         deadline = time.monotonic() + timeout
-        messages = []
+        messages: list[dict[str, Any]] = []
+        prompts: list[str] = []
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"cell did not finish in {timeout} s:\n{code}")
+            if answer is not None:
+                self._answer_stdin(answer, prompts)
             try:
-                msg = self.client.get_iopub_msg(timeout=remaining)
+                wait = remaining if answer is None else min(remaining, STDIN_POLL)
+                msg = self.client.get_iopub_msg(timeout=wait)
             except queue.Empty:
                 continue
             msg["received_at"] = time.monotonic()
@@ -156,7 +174,21 @@ class KernelSession:
             messages.append(msg)
             if on_message is not None:
                 on_message(msg)
-        return Cell(messages, self.shell_reply(msg_id, timeout)["content"])
+        return Cell(messages, self.shell_reply(msg_id, timeout)["content"], prompts)
+
+    def _answer_stdin(self, answer: Callable[[str], str | None], prompts: list[str]) -> None:
+        """Reply to the kernel's pending input_request, if there is one."""
+        try:
+            request = self.client.get_stdin_msg(timeout=0)
+        except queue.Empty:
+            return
+        if request["msg_type"] != "input_request":
+            return
+        prompt = request["content"]["prompt"]
+        prompts.append(prompt)
+        line = answer(prompt)
+        if line is not None:
+            self.client.input(line)
 
     def messages_of(self, msg_id: str) -> Cell:
         """What arrived for request ``msg_id`` after its cell went idle (so far), as a Cell."""

@@ -245,10 +245,13 @@ def launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     from nbaccel.cli import elastic_rendezvous
+    from nbaccel.cli.debugging import TerminalDebugging
 
     elastic_rendezvous.register()
 
     _set_environment(cfg, nprocs)
+    debugging = TerminalDebugging()  # breakpoint() in a rank: pdb on this terminal
+    os.environ.update(debugging.environment())
     _quiet_elastic_logs()
     log_dir = tempfile.mkdtemp(prefix="nbaccel-launch-")
     # A rank's guard that is itself SIGKILLed leaves orphans; they re-parent here and are
@@ -286,4 +289,5 @@ def launch(args: argparse.Namespace) -> int:
             containment.stop_descendants()
         shutil.rmtree(log_dir, ignore_errors=True)
         del c10d_server
+        debugging.close()
     return 0

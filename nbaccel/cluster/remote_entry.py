@@ -17,6 +17,7 @@ import sys
 
 from nbaccel.core import rendezvous
 from nbaccel.core.events import RankSpec
+from nbaccel.rank.debugger import ENV_UNREACHABLE
 from nbaccel.rank.entry import run_rank
 
 # Set by the kernel for its own machine; re-derived here for this node.
@@ -40,6 +41,7 @@ def node_spec(spec: RankSpec, visible_devices: str | None, one_machine: bool) ->
     env.update(rendezvous.launcher_environment({}, "notebook", master, one_machine))
     if visible_devices is not None and env.get("CUDA_VISIBLE_DEVICES") != "":
         env["CUDA_VISIBLE_DEVICES"] = visible_devices
+    env[ENV_UNREACHABLE] = "1"  # the kernel cannot reach this node's sockets: no breakpoint()
     return dataclasses.replace(spec, env=env)
 
 

@@ -100,6 +100,8 @@ class Failure:
     message: str
     traceback: str  # formatted, user frames only
     exception: bytes | None  # the pickled exception, when it pickles
+    # The user's frames and their locals for a post-mortem in the kernel (``core.snapshot``).
+    frames: bytes | None = None
 
 
 @dataclasses.dataclass
@@ -123,7 +125,26 @@ class Compiling:
     active: bool
 
 
-Event = Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings | Compiling
+@dataclasses.dataclass
+class Paused:
+    """The rank waits for a person: its ``breakpoint()`` or ``input()`` asks the kernel for
+    lines (``rank.debugger``). The rank listens at ``address``, a Unix socket opened for this
+    pause only; the kernel connects with ``authkey`` and relays the conversation
+    (``launch.debugging``). ``reason`` ("breakpoint()", "input()") and where the rank stopped
+    are for the views."""
+
+    rank: int
+    reason: str
+    file: str
+    line: int
+    function: str
+    address: str
+    authkey: bytes
+
+
+Event = (
+    Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings | Compiling | Paused
+)
 
 
 class _Channel:

@@ -157,6 +157,9 @@ class RankState:
     gpu_memory: int | None = None  # bytes on the GPU, where CUDA
     effective: dict[str, str] = dataclasses.field(default_factory=dict)  # what the rank runs
     compiling_since: float | None = None  # torch.compile is compiling in the rank since then
+    # Where the rank waits for a person, e.g. "breakpoint() at Cell In[4], line 9"; None while
+    # it does not (set by launch.debugging, shown by the views as "rank 1 paused in ...").
+    paused: str | None = None
     _window: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=400), repr=False
     )

@@ -16,8 +16,9 @@ import dataclasses
 from typing import Any
 
 # Command kinds: "run" (code), "call" (function + args), "push" (values), "pull" (names),
-# "stop" (leave the command loop; the rank then exits through the shared exit protocol).
-KINDS = ("run", "call", "push", "pull", "stop")
+# "stop" (leave the command loop; the rank then exits through the shared exit protocol),
+# "debug" (a post-mortem of the rank's last failed cell, on its real frames: ``rank.debugger``).
+KINDS = ("run", "call", "push", "pull", "stop", "debug")
 
 
 def cell_filename(cell: int) -> str:

@@ -301,6 +301,17 @@ class Launch(concurrent.futures.Future[Any]):
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def debug(self) -> int:
+        """Open pdb, in the cell that calls this, on each rank of this background launch that
+        waits in ``breakpoint()`` or ``input()`` (one after the other; the dashboard says
+        "rank 1 paused in ..."). ``q`` or Ctrl-C at the prompt stops the launch, as ``stop()``
+        does. Returns how many ranks were served (0: none was paused).
+        """
+        relay = self.relay
+        if relay is None:
+            return 0
+        return relay.debug.serve_here(on_quit=self._stopping.set)
+
     def __await__(self) -> Generator[Any, None, Any]:
         return self._ended().__await__()
 

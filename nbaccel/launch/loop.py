@@ -14,7 +14,10 @@ shares, here and nowhere else:
   loop goes on reading the other ranks meanwhile (never a blocking join) and hands the exit to
   the job once the status is there (or after ``EXIT_STATUS_WAIT``);
 - **Ctrl-C**: a ``KeyboardInterrupt`` inside the loop goes to the job's ``on_interrupt`` (a
-  launch re-raises it; a cell interrupts its ranks and goes on).
+  launch re-raises it; a cell interrupts its ranks and goes on);
+- **a paused rank** (``breakpoint()``/``input()``, ``launch.debugging``): its conversation is
+  relayed when its connection is readable, and while any rank is paused the timeout and the
+  stall detection hold still (the time paused does not count; pdb's ``q`` is a Ctrl-C).
 
 The job's own policies (stop the other ranks at the first failure; a collective left half-done)
 run in its ``check`` each turn. The view is updated each turn, at its own bounded rate.
@@ -57,8 +60,10 @@ def follow(relay: Relay, job: Job) -> None:
     """Run the loop until ``job.finished()``; the job's own errors propagate."""
     deadline = None if job.timeout is None else time.monotonic() + job.timeout
     exiting: dict[int, tuple[RankProcess, float]] = {}  # sentinel fired, status not yet there
+    turn_started = time.monotonic()
     while not job.finished():
         try:
+            held = relay.debug.holding()  # a rank paused at the turn's start
             for key, _ in relay.selector.select(TICK):
                 r, kind = key.data
                 if kind == "exit":
@@ -66,6 +71,8 @@ def follow(relay: Relay, job: Job) -> None:
                     exiting[r.rank] = (r, time.monotonic())
                 elif kind == "reply":
                     job.on_reply(r)
+                elif kind == "debug":
+                    relay.answer_debugger(r)
                 else:
                     relay.read(r, kind)
             for rank, (r, since) in list(exiting.items()):
@@ -73,6 +80,14 @@ def follow(relay: Relay, job: Job) -> None:
                     del exiting[rank]
                     relay.drain(r)
                     job.on_exit(r, r.exitcode())
+            now = time.monotonic()
+            held = held or relay.debug.holding()
+            if held:  # time paused for a person is not the launch's: it holds still
+                if deadline is not None:
+                    deadline += now - turn_started
+                for rank_state in relay.state.ranks.values():
+                    rank_state.note_activity(now)
+            turn_started = now
             job.check()
             if deadline is not None and time.monotonic() > deadline:
                 deadline = None  # once

@@ -86,6 +86,16 @@ class RanksMagics(Magics):
         self.auto = False
         self._start_args: dict[str, Any] = {}
 
+    def debug_cell_error(self, error: BaseException | None) -> bool:
+        """``%debug`` after a ``%%ranks`` cell failed: pdb on the failing rank's real frames
+        (the ranks are alive); whether ``error`` was such a failure of the running session."""
+        from nbaccel.launch.session_cell import CellError
+
+        if not isinstance(error, CellError) or self.session is None or not self.session.started:
+            return False
+        self.session.debug(error.rank)
+        return True
+
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> Any:
         __tracebackhide__ = True
@@ -271,6 +281,10 @@ def register(shell: Any) -> RanksMagics:
     shell.input_transformers_cleanup.append(magics.transform)
     shell.Completer.custom_matchers.append(magics.complete)
     shell._nbaccel_ranks_magics = magics
+    from nbaccel.launch import post_mortem
+
+    post_mortem.wrap_debug_magic(shell)  # %debug after a failed launch: the rank's frames
+    post_mortem.LIVE.append(magics.debug_cell_error)  # ... after a %%ranks cell: alive ones
     atexit.register(magics._stop_at_exit)
     return magics
 

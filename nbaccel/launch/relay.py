@@ -11,12 +11,15 @@ results and failures; what to do about them (stop the others, time out) is the j
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import pickle
 import selectors
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -26,14 +29,16 @@ from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.core.failures import describe_raise
 from nbaccel.core.launch_state import LaunchState
 from nbaccel.core.launch_state import RankStatus as Status
-from nbaccel.launch import root_cause
+from nbaccel.launch import post_mortem, root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
+from nbaccel.launch.debugging import Debugging
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.launch.output_logs import LaunchLogs
 from nbaccel.ui import View
 
 STACK_WAIT = 2.0  # seconds to wait for stack dumps at a timeout
+TICK = 0.05  # s between looks at the pipes while a person types at a rank's prompt
 
 
 class Relay:
@@ -50,6 +55,7 @@ class Relay:
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
         self._logs = LaunchLogs(state)  # every byte of stdout/stderr, whatever the view shows
         self.selector = selectors.DefaultSelector()
+        self.debug = Debugging(state)  # ranks paused in breakpoint()/input()
 
     def register(self) -> None:
         """Watch every rank's four pipes and exit sentinel."""
@@ -163,6 +169,8 @@ class Relay:
             self.ended[event.rank] = how
         elif isinstance(event, events.Leftovers):
             self._leftovers += [(pid, cmd, event.rank) for pid, cmd in event.processes]
+        elif isinstance(event, events.Paused):
+            self._on_paused(event)
         elif isinstance(event, events.Failure):
             summary = describe_raise(event.exc_type, event.message)
             error = RankFailedError(
@@ -173,9 +181,52 @@ class Relay:
                 exc_type=event.exc_type,
                 original=load_exception(event.exception),
             )
+            post_mortem.remember(error, event.rank, event.frames)  # for %debug
             self.record_failure(event.rank, error, summary.removeprefix("raised "))
             if event.traceback:  # in the rank's log, as a script's stderr has it: named at the end
                 self._logs.file(event.rank, "stderr").write(event.traceback.encode())
+
+    def _on_paused(self, event: events.Paused) -> None:
+        """A rank waits for a person: what it printed first is shown first, then the kernel
+        relays its conversation (``launch.debugging``) on a connection the loop watches."""
+        r = next(p for p in self.group.ranks if p.rank == event.rank)
+        for stream in ("stdout", "stderr"):
+            while self.read(r, stream):
+                pass
+        self.debug.on_paused(event, lambda fd: self.watch(fd, (r, "debug")))
+
+    def answer_debugger(self, r: RankProcess) -> None:
+        """The loop saw ``r``'s debugging connection readable (see ``Debugging.answer``)."""
+        self.debug.answer(r.rank, self.unwatch, self.reading_meanwhile)
+
+    @contextlib.contextmanager
+    def reading_meanwhile(self) -> Iterator[None]:
+        """While the loop's thread waits for a person at a rank's prompt, a thread reads the
+        ranks' pipes and updates the view, so the other ranks run on (their output never fills
+        a pipe) and the views stay live; exits, replies and prompts wait for the loop."""
+        done = threading.Event()
+
+        def pump() -> None:
+            while not done.is_set():
+                read = False
+                for key, _ in self.selector.select(TICK):
+                    r, kind = key.data
+                    if kind in ("stdout", "stderr", "diag", "events"):
+                        read = self.read(r, kind) or read
+                self.view.update()
+                if not read:
+                    done.wait(TICK)  # a sentinel or a connection stays ready: not a busy loop
+
+        # In this cell's context, so what the view prints stays in the cell (ipykernel).
+        thread = threading.Thread(
+            target=contextvars.copy_context().run, args=(pump,), name="nbaccel-read", daemon=True
+        )
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     def record_failure(self, rank: int, error: RankFailedError, line: str) -> None:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""
@@ -241,6 +292,7 @@ class Relay:
     def close(self) -> None:
         """Close every rank's pipes and the selector (the ranks have been reaped)."""
         self.state.ended_at = time.monotonic()
+        self.debug.close()
         for r in self.group.ranks:
             with contextlib.suppress(OSError):
                 r.close_pipes()

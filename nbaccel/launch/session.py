@@ -298,6 +298,12 @@ class Ranks:
                 ) from exc
         self._run(Command(cell=0, kind="push", values=payload), ranks, UNSET)
 
+    def debug(self, rank: int) -> None:
+        """Open pdb in the notebook on ``rank``'s last failed cell: its real frames and
+        locals, alive on the rank (``%debug`` after a ``CellError`` does this)."""
+        __tracebackhide__ = True
+        self._run(Command(cell=0, kind="debug"), [rank], None)
+
     def status(self) -> StatusTable:
         """Per rank: pid, device, memory, state (idle, or running which cell for how long)."""
         return StatusTable(rank_rows(self))

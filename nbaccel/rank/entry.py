@@ -7,17 +7,27 @@ It never imports IPython or the views.
 
 from __future__ import annotations
 
+import builtins
 import faulthandler
 import os
 import signal
 import sys
 from typing import Any
 
-from nbaccel.core import events, pickling, processes, proctitle, rendezvous, shared_tensors
+from nbaccel.core import (
+    events,
+    pickling,
+    processes,
+    proctitle,
+    rendezvous,
+    shared_tensors,
+    snapshot,
+)
 from nbaccel.core.disk_space import OutOfSpaceError
 from nbaccel.core.events import STACK_DUMP_SIGNAL, RankSpec
 from nbaccel.rank import (
     containment,
+    debugger,
     exit,
     process_setup,
     reporting,
@@ -108,6 +118,7 @@ def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_
     proctitle.set_title(f"nbaccel rank {spec.rank} of {spec.world_size}")
     process_setup.redirect_output(out_w.fileno(), err_w.fileno())
     process_setup.refuse_keyboard_input()
+    debugger.install(fallback_input=builtins.input)  # asks the notebook where it can
     diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
     faulthandler.enable(file=diag, all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, file=diag, all_threads=True, chain=False)
@@ -150,7 +161,9 @@ def run_job(
     if flush_metrics:
         reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:
-        events.emit(exit.failure_event(failure, spec.rank, is_plumbing))
+        event = exit.failure_event(failure, spec.rank, is_plumbing)
+        event.frames = snapshot.take(failure)  # for %debug in the kernel
+        events.emit(event)
     else:
         exited = 0 if isinstance(raised, SystemExit) else None
         events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))

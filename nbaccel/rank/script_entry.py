@@ -16,6 +16,7 @@ the rank dies with the launcher even when the launcher is SIGKILLed.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import runpy
@@ -24,7 +25,7 @@ import time
 
 from nbaccel.core.atomic import atomic_write
 from nbaccel.core.config import ENV_LAUNCHER
-from nbaccel.rank import exit, script_guard, torch_fixes, tqdm_hook
+from nbaccel.rank import debugger, exit, script_guard, torch_fixes, tqdm_hook
 
 USAGE = "usage: python -m nbaccel.rank.script_entry SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     # tqdm bars redraw with carriage returns, which garble per-rank labelled log lines; as
     # nbaccel bars they print whole lines a few seconds apart instead (NBACCEL_TQDM=0: off).
     tqdm_hook.install_worker_hooks()
+    debugger.install(fallback_input=builtins.input)  # breakpoint(): pdb on the launcher's terminal
     raised = None
     try:
         _run(argv)

@@ -26,7 +26,7 @@ from typing import Any
 
 from nbaccel.core import pickling
 from nbaccel.core.session_messages import Blocked, Command, Done, Hello, cell_filename
-from nbaccel.rank import entry, exit
+from nbaccel.rank import debugger, entry, exit
 
 BLOCKED_AFTER = 0.3  # seconds inside one torch.distributed call before the kernel is told
 WATCH_INTERVAL = 0.1
@@ -102,8 +102,16 @@ def _main_namespace() -> dict[str, Any]:
     return namespace
 
 
+# The last failed cell's exception, its frames alive for a post-mortem ("debug" command) until
+# the next command that is not one: a failed cell's locals (a GPU's activations) are not kept
+# for longer than the notebook needs them.
+_LAST_FAILURE: list[BaseException] = []
+
+
 def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int) -> Done:
     done = Done(rank=rank, cell=command.cell)
+    if command.kind != "debug":
+        _LAST_FAILURE.clear()
     cell.interrupted = False
     cell.number = command.cell
     try:
@@ -120,6 +128,8 @@ def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int
         done.interrupted = isinstance(exc, KeyboardInterrupt) and cell.interrupted
         if done.interrupted:
             _drop_handler_frame(exc)
+        elif command.kind != "debug":
+            _LAST_FAILURE[:] = [exc]
         done.failure = exit.failure_event(exc, rank, _is_plumbing)
     done.names = _summary(namespace)
     done.device, done.gpu_memory = _device()
@@ -176,6 +186,14 @@ def _dispatch(command: Command, namespace: dict[str, Any], done: Done) -> Any:
     if command.kind == "push":
         for name, data in (command.values or {}).items():
             namespace[name] = pickling.loads(data)
+        return None
+    if command.kind == "debug":
+        if not _LAST_FAILURE:
+            raise LookupError(
+                "this rank has no failed cell to debug: %debug opens the frames of the last "
+                "cell that failed here, until the next cell runs"
+            )
+        debugger.post_mortem(_LAST_FAILURE[0])
         return None
     if command.kind == "pull":
         missing = [n for n in command.names or [] if n not in namespace]

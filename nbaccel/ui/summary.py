@@ -114,7 +114,15 @@ def waiting_text(state: LaunchState, now: float) -> str:
 
 
 def stall_text(state: LaunchState, now: float) -> str:
-    """``no rank has advanced for 42 s`` plus where each rank waits, or "" while all is well."""
+    """``no rank has advanced for 42 s`` plus where each rank waits, or "" while all is well;
+    a rank paused in the debugger is said instead (the launch does not stall meanwhile)."""
+    paused = [
+        f"rank {r.rank} paused in {r.paused}"
+        for r in sorted(state.ranks.values(), key=lambda r: r.rank)
+        if r.paused
+    ]
+    if paused:
+        return "\n".join(paused)
     quiet = state.stalled_for(now)
     if quiet is None:
         return ""

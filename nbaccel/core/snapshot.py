@@ -1,0 +1,209 @@
+"""A failed rank's frames and locals, copied for a post-mortem in the kernel (``%debug``).
+
+When a rank's function raises, the rank records each frame of the traceback that is not
+nbaccel's own (the frames the clean traceback shows): file, line, function, and every local
+value pickled on its own. Tensors travel detached and on the CPU; a value that is too big
+(:data:`VALUE_LIMIT`, or past :data:`TOTAL_LIMIT` for the whole record) or that cannot be
+pickled travels as an :class:`Unsent`: its type, shape/dtype/device where it has them, and the
+start of its ``repr``. The kernel loads the record (``launch.post_mortem``) and debugs it.
+
+Set ``NBACCEL_POST_MORTEM=0`` to send no record (the failure itself is reported as always).
+
+>>> u = Unsent("torch.Tensor", "shape (4096, 4096) float32 cuda:0", "64.0 MiB, over 8 MiB", "tensor(..)")
+>>> repr(u)
+'<not sent from the rank: torch.Tensor shape (4096, 4096) float32 cuda:0 (64.0 MiB, over 8 MiB): tensor(..)>'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import sys
+from types import TracebackType
+from typing import Any
+
+import cloudpickle
+
+from nbaccel.core import pickling
+from nbaccel.core.local_traceback import is_nbaccel_file
+
+VALUE_LIMIT = 8 << 20  # bytes one local may take, pickled
+TOTAL_LIMIT = 64 << 20  # bytes all the locals of one failure may take
+REPR_LIMIT = 300  # characters of an unsent value's repr
+ENV_SWITCH = "NBACCEL_POST_MORTEM"
+
+
+@dataclasses.dataclass
+class Unsent:
+    """A local the rank could not copy to the kernel, described instead."""
+
+    type_name: str
+    detail: str  # shape, dtype, device, or its size
+    why: str
+    text: str  # the start of its repr
+
+    def __repr__(self) -> str:
+        detail = f" {self.detail}" if self.detail else ""
+        text = f": {self.text}" if self.text else ""
+        return f"<not sent from the rank: {self.type_name}{detail} ({self.why}){text}>"
+
+
+@dataclasses.dataclass
+class FrameRecord:
+    """One frame of a failed rank: where, and its locals (pickled one by one, or described)."""
+
+    file: str
+    line: int
+    function: str
+    first_line: int  # where the function starts (``ll`` lists from here)
+    module: str  # the frame's ``__name__`` (its globals are that module's where it is loaded)
+    values: dict[str, bytes | Unsent]
+
+
+class _TooBig(Exception):
+    pass
+
+
+class _Capped(io.BytesIO):
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def write(self, data: Any) -> int:
+        if self.tell() + len(data) > self.limit:
+            raise _TooBig
+        return super().write(data)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class _Pickler(pickling._Pickler):  # noqa: SLF001 - the rank's cloudpickle, file names kept
+    """Tensors go detached and on the CPU (the kernel has no GPU context to load them into); a
+    tensor or array bigger than what is left of the limit stops the pickling before it is
+    copied (a model's GPU weights are never copied to the CPU only to be dropped)."""
+
+    def __init__(self, file: _Capped) -> None:
+        super().__init__(file, cloudpickle.DEFAULT_PROTOCOL)
+        self._capped = file
+
+    def reducer_override(self, obj: Any) -> Any:
+        nbytes = _array_bytes(obj)
+        if nbytes is not None and nbytes > self._capped.limit - self._capped.tell():
+            raise _TooBig
+        torch = sys.modules.get("torch")
+        if (
+            torch is not None
+            and isinstance(obj, torch.Tensor)
+            and (obj.device.type != "cpu" or obj.requires_grad or type(obj) is not torch.Tensor)
+        ):
+            return _same, (obj.detach().to("cpu").as_subclass(torch.Tensor),)
+        return super().reducer_override(obj)
+
+
+def _array_bytes(value: Any) -> int | None:
+    """The bytes of a tensor's or numpy array's data, else ``None``."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return int(value.element_size() * value.nelement())
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return int(value.nbytes)
+    return None
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def _detail(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return ""
+    parts = [f"shape {tuple(shape)}"]
+    for name in ("dtype", "device"):
+        if getattr(value, name, None) is not None:
+            parts.append(str(getattr(value, name)).removeprefix("torch."))
+    return " ".join(parts)
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - a broken __repr__ is described, not raised
+        return f"(repr failed: {type(exc).__name__})"
+    return text if len(text) <= REPR_LIMIT else text[:REPR_LIMIT] + "…"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n:,} bytes"
+
+
+def dump_value(value: Any, limit: int = VALUE_LIMIT) -> bytes | Unsent:
+    """``value`` pickled for the kernel, or described where it cannot go (too big, unpicklable).
+
+    >>> isinstance(dump_value(list(range(3))), bytes)
+    True
+    >>> dump_value(b"x" * 100, limit=10).why
+    'over 10 bytes'
+    >>> import threading; dump_value(threading.Lock()).why
+    'cannot be pickled: TypeError'
+    """
+    size = _array_bytes(value)
+    if size is not None and size > limit:
+        return Unsent(_type_name(value), _detail(value), f"{_mib(size)}, over {_mib(limit)}", "")
+    buffer = _Capped(limit)
+    try:
+        _Pickler(buffer).dump(value)
+    except _TooBig:
+        return Unsent(_type_name(value), _detail(value), f"over {_mib(limit)}", _short_repr(value))
+    except Exception as exc:  # noqa: BLE001 - anything unpicklable is described instead
+        why = f"cannot be pickled: {type(exc).__name__}"
+        return Unsent(_type_name(value), _detail(value), why, _short_repr(value))
+    return buffer.getvalue()
+
+
+def take(exc: BaseException) -> bytes | None:
+    """The frames of ``exc``'s traceback that are not nbaccel's, with their locals, pickled;
+    ``None`` where ``NBACCEL_POST_MORTEM=0`` or nothing of the user's is in it."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    records, left = [], TOTAL_LIMIT
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if not is_nbaccel_file(code.co_filename):
+            values: dict[str, bytes | Unsent] = {}
+            for name, value in list(frame.f_locals.items()):
+                dumped = dump_value(value, min(VALUE_LIMIT, max(left, 0)))
+                if isinstance(dumped, bytes):
+                    left -= len(dumped)
+                values[name] = dumped
+            records.append(
+                FrameRecord(
+                    code.co_filename,
+                    tb.tb_lineno,
+                    code.co_name,
+                    code.co_firstlineno,
+                    str(frame.f_globals.get("__name__", "")),
+                    values,
+                )
+            )
+        tb = tb.tb_next
+    if not records:
+        return None
+    return pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load(data: bytes) -> list[FrameRecord]:
+    """The records :func:`take` made (the values stay pickled until asked for)."""
+    return list(pickle.loads(data))

@@ -1,0 +1,222 @@
+"""The kernel's end of a paused rank: its pdb (or ``input()``) reads lines from the notebook.
+
+A rank whose ``breakpoint()`` or ``input()`` waits for a person says so on its event pipe
+(``events.Paused``, sent by ``rank.debugger``). The relay hands the event to
+:meth:`Debugging.on_paused`: the rank's state says where it is paused (the views show it), and
+where this thread may prompt (the kernel's main thread, inside a blocking launch or a ``%%ranks``
+cell) the kernel connects to the rank and the loop (``launch.loop``) watches the connection.
+:meth:`Debugging.answer` prints what the rank's pdb prints and answers each of its questions with
+the notebook's own ``input()``: in a kernel, ipykernel's ``input_request`` on the stdin channel,
+the input box JupyterLab, Notebook 7, VS Code and Colab show. Ctrl-C (the Stop button) at the
+prompt, and pdb's ``q``, end the launch as Stop does (a ``KeyboardInterrupt`` in the loop).
+
+While any rank is paused the loop holds the hang timeout and the stall detection still
+(:meth:`Debugging.holding`). Two ranks that pause are answered in the order they ask.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import linecache
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection
+
+from nbaccel.core import events
+from nbaccel.core.launch_state import LaunchState
+from nbaccel.core.local_traceback import cell_label
+
+# Seconds the rank answered last keeps the notebook's keyboard while it runs between prompts
+# (another rank's question waits that long before it is asked).
+STAY_WITH_CURRENT = 0.5
+DEBUG_HINT = "run launch.debug() in a cell to debug it"
+
+
+def where(event: events.Paused, label: Callable[[str], str | None] = cell_label) -> str:
+    """What the views say of a paused rank, after "rank 1 paused in".
+
+    >>> e = events.Paused(1, "breakpoint()", "/tmp/x.py", 9, "train", "", b"")
+    >>> where(e, label=lambda f: "Cell In[4]")
+    'breakpoint() at Cell In[4], line 9'
+    """
+    return f"{event.reason} at {label(event.file) or event.file}, line {event.line}"
+
+
+def cell_labels() -> dict[str, str]:
+    """``Cell In[n]`` for each notebook cell the kernel knows (for the rank's pdb to show)."""
+    labels = {}
+    for filename in list(linecache.cache):
+        label = cell_label(filename)
+        if label:
+            labels[filename] = label
+    return labels
+
+
+def can_prompt() -> bool:
+    """Whether this thread may ask the notebook for a line: only the kernel's main thread runs
+    a cell whose ``input()`` the frontend answers."""
+    return threading.current_thread() is threading.main_thread()
+
+
+class Debugging:
+    """The debugging conversations of one launch's (or one ``%ranks`` session's) ranks."""
+
+    def __init__(self, state: LaunchState) -> None:
+        self.state = state
+        # Made by the thread that follows the ranks: the kernel's main thread prompts itself; a
+        # background launch's thread keeps paused ranks waiting for ``launch.debug()``.
+        self.prompts = can_prompt()
+        self.connections: dict[int, Connection] = {}
+        self.waiting: dict[int, events.Paused] = {}  # paused where nobody may prompt yet
+        self._quit = False  # q in a conversation served by serve_here
+        self._current: int | None = None  # the rank answered last, and when
+        self._answered_at = 0.0
+
+    def holding(self) -> bool:
+        """Whether a rank is paused for a person (the timeout and stall detection wait)."""
+        return bool(self.connections or self.waiting)
+
+    def on_paused(self, event: events.Paused, watch: Callable[[int], None]) -> None:
+        """A rank paused: show where; connect now if this thread can prompt (``watch`` the
+        connection's descriptor for the loop), else keep it waiting for someone who can."""
+        if self.prompts:
+            self.state.ranks[event.rank].paused = where(event)
+            self.connect(event, watch)
+        else:
+            self.state.ranks[event.rank].paused = f"{where(event)}: {DEBUG_HINT}"
+            self.waiting[event.rank] = event
+
+    def serve_here(self, on_quit: Callable[[], None]) -> int:
+        """Relay the waiting ranks' conversations in this thread, one rank after the other,
+        until none waits (a background launch's ``launch.debug()``, in the cell that calls
+        it); how many were served. pdb's ``q``, and Ctrl-C at the prompt, call ``on_quit``
+        (the launch stops)."""
+        served = 0
+        while self.waiting:
+            rank, event = next(iter(self.waiting.items()))
+            self.state.ranks[rank].paused = where(event)
+            self.connect(event, watch=lambda fd: None)
+            conn = self.connections.get(rank)
+            if conn is None:
+                continue
+            served += 1
+            try:
+                while self._relay_one(conn):
+                    pass
+            except KeyboardInterrupt:
+                on_quit()
+                raise
+            except (OSError, EOFError):
+                pass
+            finally:
+                self._close(rank, unwatch=lambda fd: None)
+            if self._quit:  # q: the launch stops (this rank waits to be stopped with it)
+                self._quit = False
+                on_quit()
+                break
+        return served
+
+    def _relay_one(self, conn: Connection) -> bool:
+        """One message of a conversation relayed here (blocking); whether it goes on."""
+        kind, *rest = conn.recv()
+        if kind == "out":
+            sys.stdout.write(rest[0])
+            sys.stdout.flush()
+        elif kind == "ask":
+            conn.send(self._ask(rest[0]))
+        elif kind == "quit":
+            self._quit = True
+            return False
+        else:
+            return False
+        return True
+
+    def connect(self, event: events.Paused, watch: Callable[[int], None]) -> None:
+        self.waiting.pop(event.rank, None)
+        try:
+            conn = Client(event.address, family="AF_UNIX", authkey=event.authkey)
+            conn.send(("labels", cell_labels()))
+        except (OSError, EOFError):  # the rank ended (stopped) before it could be answered
+            self._ended(event.rank)
+            return
+        self.connections[event.rank] = conn
+        watch(conn.fileno())
+
+    def answer(
+        self,
+        rank: int,
+        unwatch: Callable[[int], None],
+        meanwhile: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
+        """Relay what ``rank`` sent: print its output, answer its questions from the notebook
+        (``meanwhile``: what runs while the person types, e.g. reading the other ranks).
+
+        Raises ``KeyboardInterrupt`` for pdb's ``q`` and for Ctrl-C at the prompt: the launch
+        stops as it does for the Stop button."""
+        conn = self.connections.get(rank)
+        if conn is None:
+            return
+        current = self.connections.get(self._current) if self._current is not None else None
+        if current is not None and self._current != rank:
+            # One conversation at a time: the rank answered last usually asks again at once
+            # (its next prompt); only one that runs on (a long `n`) lets another rank in.
+            wait = STAY_WITH_CURRENT - (time.monotonic() - self._answered_at)
+            if wait > 0 and current.poll(wait):
+                assert self._current is not None
+                self.answer(self._current, unwatch, meanwhile)
+                return
+        try:
+            while conn.poll(0):
+                kind, *rest = conn.recv()
+                if kind == "out":
+                    sys.stdout.write(rest[0])
+                    sys.stdout.flush()
+                elif kind == "ask":
+                    with meanwhile():
+                        reply = self._ask(rest[0])
+                    conn.send(reply)
+                    self._current, self._answered_at = rank, time.monotonic()
+                elif kind == "quit":
+                    sys.stdout.flush()
+                    raise KeyboardInterrupt(f"q in the debugger of rank {rank}")
+                else:  # "end": the rank runs on
+                    self._close(rank, unwatch)
+                    return
+        except (OSError, EOFError):  # the rank ended meanwhile
+            self._close(rank, unwatch)
+
+    @staticmethod
+    def _ask(prompt: str) -> tuple[str, ...]:
+        try:
+            return ("line", builtins.input(prompt))
+        except EOFError:
+            return ("eof",)
+        except NotImplementedError:  # IPython's StdinNotImplementedError: no input box
+            return ("unavailable", "this frontend does not send input to the kernel")
+        except OSError as exc:  # a stdin that cannot be read (captured, closed)
+            return ("unavailable", f"the launching process cannot read input ({exc})")
+
+    def _close(self, rank: int, unwatch: Callable[[int], None]) -> None:
+        if self._current == rank:
+            self._current = None
+        conn = self.connections.pop(rank, None)
+        if conn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                unwatch(conn.fileno())
+            conn.close()
+        self._ended(rank)
+
+    def _ended(self, rank: int) -> None:
+        if rank in self.state.ranks:
+            self.state.ranks[rank].paused = None
+
+    def close(self) -> None:
+        """End every conversation (the ranks have been stopped and reaped)."""
+        for conn in self.connections.values():
+            with contextlib.suppress(OSError):
+                conn.close()
+        self.connections.clear()
+        self.waiting.clear()

@@ -1,0 +1,77 @@
+"""A rank paused in a background launch: the views say so with the line to run, and
+``launch.debug()`` opens its pdb in the cell that runs it (a real kernel, answered on its stdin
+channel as a frontend does)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.kernel_helpers import KernelSession
+
+pytestmark = pytest.mark.slow  # a real kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
+        yield k
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_in_kernel(kernel):
+    yield
+    assert kernel.leftovers() == [], "the kernel still has rank processes"
+
+
+START = textwrap.dedent("""
+    def train():
+        values = [int(os.environ["RANK"]), 5]
+        if values[0] == 1:
+            breakpoint()
+            values.append(6)
+        time.sleep(0.5)
+        return sum(values)
+
+    launch = nbaccel.notebook_launcher(train, num_processes=2, block=False, timeout=3)
+    while not any(r.paused for r in (launch.state.ranks.values() if launch.state else [])):
+        time.sleep(0.05)
+    from nbaccel.ui.summary import stall_text
+    print(stall_text(launch.state))
+""").strip()
+
+
+def typed(*lines: str):
+    answers, prompts = list(lines), []
+
+    def answer(prompt: str) -> str:
+        prompts.append(prompt)
+        return answers.pop(0)
+
+    return answer, prompts
+
+
+def test_launch_debug_opens_a_paused_ranks_pdb_in_the_calling_cell(kernel):
+    started = kernel.execute(START, timeout=60)
+    assert started.error is None, started.error_text
+    assert "rank 1 paused in breakpoint() at Cell In[" in started.stdout
+    assert "run launch.debug() in a cell to debug it" in started.stdout
+    kernel.execute("time.sleep(4)")  # past the launch's timeout: a paused launch does not time out
+    answer, prompts = typed("p values", "c")
+    served = kernel.execute("launch.debug()", answer=answer)
+    assert served.error is None, served.error_text
+    assert prompts == ["(Pdb rank 1) "] * 2
+    assert "[1, 5]" in served.stdout
+    assert served.results[-1]["text/plain"] == "1"
+    result = kernel.execute("launch.result(timeout=30)")
+    assert result.error is None, result.error_text
+    assert result.results[-1]["text/plain"] == "5"
+
+
+def test_q_in_launch_debug_stops_the_launch(kernel):
+    assert kernel.execute(START, timeout=60).error is None
+    answer, _ = typed("q")
+    assert kernel.execute("launch.debug()", answer=answer).error is None
+    result = kernel.execute("launch.result(timeout=30)")
+    assert result.error is not None and result.error["ename"] == "LaunchStoppedError"

@@ -1,0 +1,66 @@
+"""``breakpoint()`` and ``%debug`` in ``%%ranks`` cells, in a real kernel answered on its stdin
+channel as a frontend does: the ranks are alive, so both are their real frames."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernel_helpers import KernelSession
+
+pytestmark = pytest.mark.slow  # a real kernel
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
+        cell = k.execute("%ranks start -n 2 --timeout 60  # gloo on CPU")
+        assert cell.error is None, cell.error_text
+        yield k
+        k.execute("%ranks stop")
+        assert k.leftovers() == []
+
+
+def typed(*lines: str):
+    answers, prompts = list(lines), []
+
+    def answer(prompt: str) -> str:
+        prompts.append(prompt)
+        return answers.pop(0) if answers else "c"
+
+    return answer, prompts
+
+
+def test_breakpoint_in_a_ranks_cell_opens_pdb_in_the_cell(ranks):
+    answer, prompts = typed("p x", "x.append(5)", "c")
+    cell = ranks.execute(
+        "%%ranks --rank 1\nx = [1, 2]\nbreakpoint()\ny = len(x)\nprint('y is', y)", answer=answer
+    )
+    assert cell.error is None, cell.error_text
+    assert prompts == ["(Pdb rank 1) "] * 3
+    assert "[1, 2]" in cell.stdout
+    assert "y is 3" in cell.stdout  # the rank ran on with the list changed at the prompt
+    assert ranks.execute("%%ranks --rank 1\nprint(x)").stdout.count("[1, 2, 5]") == 1
+
+
+def test_debug_after_a_cell_error_enters_the_failing_ranks_real_frames(ranks):
+    failed = ranks.execute(
+        "%%ranks\nimport os\n"
+        "def lookup(table, key):\n"
+        "    return table[key]\n"
+        "seen = {'rank': int(os.environ['RANK'])}\n"
+        "if seen['rank'] == 1:\n"
+        "    lookup(seen, 'missing')\n"
+    )
+    assert failed.error is not None and failed.error["ename"] == "CellError"
+    answer, prompts = typed("p key", "u", "p seen", "seen['fixed'] = True", "q")
+    cell = ranks.execute("%debug", answer=answer)
+    assert cell.error is None, cell.error_text
+    assert prompts[0] == "(Pdb rank 1) "
+    assert "'missing'" in cell.stdout
+    assert "{'rank': 1}" in cell.stdout
+    # Real frames: what was assigned at the prompt is in the rank's namespace.
+    after = ranks.execute("%%ranks --rank 1\nprint(seen)")
+    assert "'fixed': True" in after.stdout
+    # The next cell let go of the failure: %debug now says so.
+    again = ranks.execute("%debug", answer=typed()[0])
+    assert again.error is not None and "no failed cell to debug" in again.error_text
