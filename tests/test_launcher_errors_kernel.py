@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # a real kernel
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}) as k:
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, background_shutdown=True) as k:
         k.execute("import threading, nbaccel\ndef f(*a, **k):\n    return 1")
         yield k
 
