@@ -88,9 +88,10 @@ class KernelSession:
         path prefix, connects over Unix sockets instead of TCP (they reach into a network
         namespace, which the kernel's 127.0.0.1 does not).
 
-        ``background_shutdown``: for a kernel a module shares, whose shutdown no test checks.
-        Leaving the ``with`` shuts it down the same way, in a thread, so the next module need
-        not wait for it: a kernel that imported nbaccel takes ~2.6 s to go (ipykernel waits
+        ``background_shutdown``: for a kernel whose shutdown no test checks (a module's shared
+        kernel; a test's own kernel when nothing after its ``with`` depends on the kernel being
+        gone). Leaving the ``with`` shuts it down the same way, in a thread, so the next test
+        need not wait for it: a kernel that imported nbaccel takes ~2.6 s to go (ipykernel waits
         for multiprocessing's resource tracker, which ignores its SIGTERM, until
         jupyter_client terminates the kernel). Its pid stays exempt from the leftover check
         until it is gone, and the test session waits for it before it ends (conftest)."""

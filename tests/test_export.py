@@ -206,7 +206,7 @@ def test_round_trip_same_final_loss(tmp_path):
         "result = nbaccel.notebook_launcher(train, args=(20,), num_processes=2, progress=False)",
     )
     notebook = nbformat.read(nb, as_version=4)
-    with KernelSession(env={"NBACCEL_NO_WARMUP": "1"}) as kernel:
+    with KernelSession(env={"NBACCEL_NO_WARMUP": "1"}, background_shutdown=True) as kernel:
         outputs = []
         for cell in notebook.cells:
             if cell.cell_type == "code":
