@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import psutil
 import pytest
@@ -11,6 +12,9 @@ import pytest
 # module); they and their own helpers are exempt from the leftover check. Kernel tests check the
 # kernel's own children themselves.
 LONG_LIVED: set[int] = set()
+# Shutdowns of shared kernels still under way (``KernelSession(background_shutdown=True)``);
+# the session waits for them before it ends, so no kernel outlives the run.
+CLOSING_KERNELS: list[threading.Thread] = []
 
 os.environ.setdefault("NBACCEL_NO_WARMUP", "1")  # tests start the fork server when they need it
 
@@ -61,6 +65,12 @@ def no_leftover_processes():
     assert not left, (
         f"processes left running after the test: {[(p.pid, p.cmdline()) for p in left]}"
     )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for closing in CLOSING_KERNELS:
+        closing.join()
+    CLOSING_KERNELS.clear()
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import psutil
 from jupyter_client.manager import KernelManager
 
-from tests.conftest import LONG_LIVED
+from tests.conftest import CLOSING_KERNELS, LONG_LIVED
 
 STDIN_POLL = 0.05  # s between looks at the stdin channel while a cell may ask for input
 
@@ -86,10 +87,19 @@ class KernelSession:
         startup: str | None = None,
         prefix: list[str] | None = None,
         ipc: str | None = None,
+        background_shutdown: bool = False,
     ) -> None:
         """``prefix`` runs the kernel below a command (e.g. ``ip netns exec NS``); ``ipc``, a
         path prefix, connects over Unix sockets instead of TCP (they reach into a network
-        namespace, which the kernel's 127.0.0.1 does not)."""
+        namespace, which the kernel's 127.0.0.1 does not).
+
+        ``background_shutdown``: for a kernel whose shutdown no test checks (a module's shared
+        kernel; a test's own kernel when nothing after its ``with`` depends on the kernel being
+        gone). Leaving the ``with`` shuts it down the same way, in a thread, so the next test
+        need not wait for it: a kernel that imported nbaccel takes ~2.6 s to go (ipykernel waits
+        for multiprocessing's resource tracker, which ignores its SIGTERM, until
+        jupyter_client terminates the kernel). Its pid stays exempt from the leftover check
+        until it is gone, and the test session waits for it before it ends (conftest)."""
         if ipc:
             self.manager = KernelManager(kernel_name="python3", transport="ipc", ip=ipc)
         else:
@@ -102,6 +112,7 @@ class KernelSession:
             argv[:] = [*prefix, sys.executable, *argv[1:]]
         self._env = env or {}
         self._startup = startup
+        self._background_shutdown = background_shutdown
         self.client = None
         # iopub messages of earlier requests that arrived while a later cell ran (a background
         # launch's output), in arrival order: see messages_of
@@ -125,8 +136,18 @@ class KernelSession:
     def __exit__(self, *exc: object) -> None:
         pid = self.pid
         self.client.stop_channels()
-        self.manager.shutdown_kernel(now=False)
-        LONG_LIVED.discard(pid)
+        if not self._background_shutdown:
+            self._shut_down(pid)
+            return
+        closing = threading.Thread(target=self._shut_down, args=(pid,), name=f"kernel {pid}")
+        closing.start()
+        CLOSING_KERNELS.append(closing)
+
+    def _shut_down(self, pid: int) -> None:
+        try:
+            self.manager.shutdown_kernel(now=False)
+        finally:
+            LONG_LIVED.discard(pid)
 
     @property
     def pid(self) -> int:

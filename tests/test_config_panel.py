@@ -93,7 +93,7 @@ def test_text_form_where_widgets_cannot_render(tmp_path, capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "widgets"}) as k:
+    with KernelSession(env={"NBACCEL_VIEW": "widgets"}, background_shutdown=True) as k:
         yield k
 
 

@@ -16,7 +16,7 @@ WIDGET_MESSAGES = ("comm_msg", "display_data", "update_display_data")
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "widgets"}) as k:
+    with KernelSession(env={"NBACCEL_VIEW": "widgets"}, background_shutdown=True) as k:
         yield k
 
 

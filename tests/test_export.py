@@ -178,6 +178,7 @@ def test_ranks_cell_becomes_a_commented_block_with_a_warning(tmp_path):
     assert "\n# print(torch.distributed.get_rank())" in text
 
 
+@pytest.mark.slow  # runs the CLI in a fresh Python (seconds)
 def test_script_that_would_not_compile_is_refused_and_not_written(tmp_path):
     # `return` at top level parses (ast) but does not compile: the check must catch it.
     nb = code_notebook(
@@ -190,6 +191,7 @@ def test_script_that_would_not_compile_is_refused_and_not_written(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # runs the CLI in a fresh Python (seconds)
 def test_cli_export_errors_are_one_line(tmp_path):
     result = run_cli("export", str(tmp_path / "missing.ipynb"), cwd=tmp_path)
     assert result.returncode == 2
@@ -206,7 +208,7 @@ def test_round_trip_same_final_loss(tmp_path):
         "result = nbaccel.notebook_launcher(train, args=(20,), num_processes=2, progress=False)",
     )
     notebook = nbformat.read(nb, as_version=4)
-    with KernelSession(env={"NBACCEL_NO_WARMUP": "1"}) as kernel:
+    with KernelSession(env={"NBACCEL_NO_WARMUP": "1"}, background_shutdown=True) as kernel:
         outputs = []
         for cell in notebook.cells:
             if cell.cell_type == "code":
@@ -265,6 +267,7 @@ def test_skip_export_config_becomes_flags_and_plain_python_runs(tmp_path):
     assert "2 processes" in ran.stdout and "final loss" in ran.stdout
 
 
+@pytest.mark.slow  # exports, then `nbaccel launch` on 2 ranks
 def test_a_lambda_launched_in_the_notebook_is_called_by_each_rank(tmp_path):
     # Pasted bare, `lambda: train(3)(*(), **{})` returned a new lambda: nothing trained.
     nb = make_notebook(
@@ -288,6 +291,7 @@ def test_the_notebook_itself_is_never_the_output_and_a_folder_takes_the_script(t
     assert export_notebook(nb, tmp_path / "out") == tmp_path / "out" / "keep.py"
 
 
+@pytest.mark.slow  # runs the CLI in a fresh Python (seconds)
 def test_the_suggested_command_carries_the_notebooks_literal_settings(tmp_path):
     nb = make_notebook(
         tmp_path / "set.ipynb",

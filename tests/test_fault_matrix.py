@@ -301,7 +301,9 @@ def fire_when(d: Path, phase: str, action, launcher: int | None = None) -> threa
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup=WORKLOAD) as k:
+    with KernelSession(
+        env={"NBACCEL_VIEW": "text"}, startup=WORKLOAD, background_shutdown=True
+    ) as k:
         yield k
 
 

@@ -65,7 +65,9 @@ def big_result(d):
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup=DATA_WORKLOAD) as k:
+    with KernelSession(
+        env={"NBACCEL_VIEW": "text"}, startup=DATA_WORKLOAD, background_shutdown=True
+    ) as k:
         yield k
 
 

@@ -30,7 +30,7 @@ nbaccel.notebook_launcher(train, args=({lines},), num_processes=2)"""
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "widgets"}) as k:
+    with KernelSession(env={"NBACCEL_VIEW": "widgets"}, background_shutdown=True) as k:
         yield k
 
 

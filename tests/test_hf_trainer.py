@@ -74,7 +74,7 @@ def _json_line(cell) -> object:
 @pytest.fixture(scope="module")
 def kernel():
     """One kernel for the module, set up as the notebook's first cells."""
-    with KernelSession() as k:
+    with KernelSession(background_shutdown=True) as k:
         for code in (IMPORTS, CELL):
             cell = k.execute(code)
             assert cell.error is None, cell.error_text

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # a real kernel
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}) as k:
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, background_shutdown=True) as k:
         k.execute("import threading, nbaccel\ndef f(*a, **k):\n    return 1")
         yield k
 
@@ -65,7 +65,9 @@ def test_stop_while_ranks_start_shows_no_nbaccel_source(tmp_path):
     # The fork server imports a slow preload module, so the launch is still starting ranks
     # (waiting for the server) when the user presses Stop.
     (tmp_path / "nbaccel_slow_preload.py").write_text("import time\ntime.sleep(8)\n")
-    with KernelSession(env={"NBACCEL_VIEW": "text", "PYTHONPATH": str(tmp_path)}) as k:
+    with KernelSession(
+        env={"NBACCEL_VIEW": "text", "PYTHONPATH": str(tmp_path)}, background_shutdown=True
+    ) as k:
         timers = []
 
         def stop_soon(msg):

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow  # a real kernel
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
+    with KernelSession(
+        env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time", background_shutdown=True
+    ) as k:
         yield k
 
 

@@ -54,7 +54,7 @@ nbaccel.notebook_launcher(flood, num_processes=1)
 def kernel(request, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"logs-{request.param}")
     env = {"NBACCEL_VIEW": request.param, "NBACCEL_LOG_DIR": str(logs)}
-    with KernelSession(env=env, startup="import nbaccel") as k:
+    with KernelSession(env=env, startup="import nbaccel", background_shutdown=True) as k:
         k.view, k.logs = request.param, logs
         yield k
 

@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow  # a real kernel
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, sys") as k:
+    with KernelSession(
+        env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, sys", background_shutdown=True
+    ) as k:
         yield k
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(startup="import nbaccel") as k:
+    with KernelSession(startup="import nbaccel", background_shutdown=True) as k:
         yield k
 
 

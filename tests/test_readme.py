@@ -184,7 +184,7 @@ def test_every_python_block_runs_pasted_as_written_in_a_fresh_kernel():
 
     blocks = code_blocks(README)
     assert any(b.lang == "python" for b in blocks)
-    with KernelSession() as kernel:
+    with KernelSession(background_shutdown=True) as kernel:
         try:
             for block, after in zip(blocks, [*blocks[1:], None]):
                 if block.lang != "python":

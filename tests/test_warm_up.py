@@ -26,7 +26,7 @@ FIRST_PAINT = 0.2
 
 @pytest.mark.slow
 def test_the_kernel_side_is_imported_after_import_and_the_first_launch_paints_at_once():
-    with KernelSession(env={"NBACCEL_VIEW": "widgets"}) as kernel:
+    with KernelSession(env={"NBACCEL_VIEW": "widgets"}, background_shutdown=True) as kernel:
         assert kernel.execute("import nbaccel").error is None
         cell = kernel.execute(
             "import sys, time\n"
