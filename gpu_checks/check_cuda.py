@@ -56,7 +56,7 @@ def report():
     x = torch.ones(1, device=f"cuda:{int(os.environ['LOCAL_RANK'])}")
     return float(x.sum())
 torch.zeros(1, device="cuda")  # CUDA in the kernel, after (or before) import nbaccel
-import nbaccel.launch.forkserver as _fs
+import nbaccel.forkserver.server as _fs
 first = nbaccel.notebook_launcher(report, num_processes=1, timeout=120)
 _fs.current_mirror().wait()  # the server has imported every package the kernel has
 print(first, nbaccel.notebook_launcher(report, num_processes=1, timeout=120),

@@ -31,14 +31,14 @@ _LAZY = {
     "Launch": "nbaccel.launch.launch",
     "LaunchOptions": "nbaccel.launch.options",
     "RayCluster": "nbaccel.cluster.ray_cluster",
-    "Ranks": "nbaccel.launch.session",
+    "Ranks": "nbaccel.persistent.session",
     "debug": "nbaccel.launch.post_mortem",
     "LaunchConfig": "nbaccel.core.config",
     "ConfigError": "nbaccel.core.config",
-    "LaunchError": "nbaccel.core.errors",
-    "LaunchTimeoutError": "nbaccel.core.errors",
-    "LaunchStoppedError": "nbaccel.core.errors",
-    "RankFailedError": "nbaccel.core.errors",
+    "LaunchError": "nbaccel.launch.errors",
+    "LaunchTimeoutError": "nbaccel.launch.errors",
+    "LaunchStoppedError": "nbaccel.launch.errors",
+    "RankFailedError": "nbaccel.launch.errors",
     "Accelerator": "nbaccel.training.accelerator",
     "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",
     "DeepSpeedPlugin": "nbaccel.training.deepspeed_plugin",
@@ -98,7 +98,7 @@ def _warm_up_in_kernel() -> bool:
     try:
         from IPython import get_ipython
 
-        from nbaccel.launch.forkserver import SERVER
+        from nbaccel.forkserver.server import SERVER
 
         SERVER.ensure()
         SERVER.follow_kernel(get_ipython())
@@ -124,7 +124,7 @@ def _import_kernel_side() -> None:
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbaccel``: the ``%ranks``/``%%ranks`` magics for persistent ranks."""
-    from nbaccel.launch.magics import register
+    from nbaccel.persistent.magics import register
 
     register(ipython)
 

@@ -24,7 +24,7 @@ def leftover_processes(
 ) -> list[psutil.Process]:
     """Descendants of ``root`` (default: this process) that are neither nbaccel's helpers
     (fork server, resource tracker) nor exempt, nor below an exempt process."""
-    from nbaccel.launch.forkserver import SERVER
+    from nbaccel.forkserver.server import SERVER
 
     root = root or psutil.Process()
     allowed = set(exempt) | LONG_LIVED

@@ -244,7 +244,7 @@ class KernelSession:
         """Processes below the kernel other than nbaccel's fork server and resource tracker
         (and zombies), asked of the kernel itself."""
         cell = self.execute(
-            "import psutil as _p, nbaccel.launch.forkserver as _np\n"
+            "import psutil as _p, nbaccel.forkserver.server as _np\n"
             "_h = _np.SERVER.helper_pids()\n"
             "_left = [c.pid for c in _p.Process().children(recursive=True)\n"
             "         if c.pid not in _h and c.status() != _p.STATUS_ZOMBIE]\n"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nbaccel
-from nbaccel.launch.session import Ranks
+from nbaccel.persistent.session import Ranks
 
 FIX = r"create `Accelerator\(\)` inside the training function"
 

@@ -88,7 +88,7 @@ def hf_kernel(tmp_path_factory):
             f"import importlib, os, sys\nsys.path.append({user_site!r})\nos.chdir({str(work)!r})\n"
             "from transformers import Trainer\nimport pandas, tqdm.auto, refuses_server\n"
             "import helper_mod\nimport nbaccel\n"
-            "import nbaccel.launch.forkserver as _fs\n0"
+            "import nbaccel.forkserver.server as _fs\n0"
         )
         value(kernel, startup)
         kernel.work = work
@@ -133,7 +133,7 @@ def test_a_rank_forked_after_mirroring_has_nothing_of_the_kernels_side(hf_kernel
         import builtins, sys, tqdm.auto
         sides = ("IPython", "ipykernel", "zmq", "ipywidgets", "comm", "jupyter_client",
                  "tornado", "traitlets", "debugpy", "pydevd", "nbaccel.launch", "nbaccel.ui",
-                 "matplotlib_inline", "nbaccel.rank.mirror")
+                 "matplotlib_inline", "nbaccel.forkserver.importer")
         return (sorted(n for n in sys.modules if n.startswith(sides)),
                 tqdm.auto.tqdm.__module__, hasattr(builtins, "get_ipython"))
     0
@@ -143,8 +143,8 @@ def test_a_rank_forked_after_mirroring_has_nothing_of_the_kernels_side(hf_kernel
     modules, tqdm_auto, ipython = value(
         hf_kernel, "nbaccel.notebook_launcher(kernel_side, num_processes=1)"
     )
-    # nbaccel.rank.mirror is loaded (the server imported it) but inert in a rank
-    assert [m for m in modules if m != "nbaccel.rank.mirror"] == []
+    # nbaccel.forkserver.importer is loaded (the server imported it) but inert in a rank
+    assert [m for m in modules if m != "nbaccel.forkserver.importer"] == []
     assert not tqdm_auto.startswith("tqdm.notebook") and not ipython
 
 
@@ -248,7 +248,7 @@ def test_a_server_replaced_under_a_background_launch_keeps_serving_its_ranks(tmp
 def test_a_package_imported_after_nbaccel_is_warm_at_the_first_launch():
     # The cell's import reaches the server when the cell ends, not only at the next launch.
     with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel") as kernel:
-        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.SERVER.wait_until_ready() or 0")
+        value(kernel, "import nbaccel.forkserver.server as _fs\n_fs.SERVER.wait_until_ready() or 0")
         value(kernel, "import pandas\n0")
         assert value(kernel, "'pandas' in _fs.SERVER.mirror.sent")
         value(kernel, "_fs.SERVER.mirror.wait() or 0")
@@ -272,7 +272,7 @@ def test_stop_while_a_launch_waits_for_the_server_leaves_it_mirroring(tmp_path):
             "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(6)\n"
         )
         value(kernel, f"sys.path.append({user_site!r})\nimport nbaccel\n0")
-        value(kernel, "import nbaccel.launch.forkserver as _fs\n_fs.SERVER.wait_until_ready() or 0")
+        value(kernel, "import nbaccel.forkserver.server as _fs\n_fs.SERVER.wait_until_ready() or 0")
         value(kernel, "def slow():\n    import slow_in_server\n    return 1\n0")
         kernel.execute("import slow_in_server")  # the cell's end sends it to the server
         timer = threading.Timer(1.5, kernel.interrupt)

@@ -21,17 +21,32 @@ ALLOWED = {
     "training": {"core", "rank"},
     "utils": {"core", "rank", "training"},  # accelerate.utils's names; training side
     "ui": {"core"},
-    "launch": {"core", "ui"},
+    "launch": {"core", "ui", "forkserver"},
     "cli": {"core", "rank", "training", "ui", "launch"},
     # Kernel side (ray_cluster, ray_group) and a node's side (node, remote_entry: core, rank).
     "cluster": {"core", "rank", "launch", "ui"},
+    # The fork server: the kernel's side (server, mirror) and the server's (guard, preload, ...).
+    "forkserver": {"core", "rank", "launch", "ui"},
+    # Persistent ranks: the kernel's side (session, magics, ...) and the rank's (serve, messages).
+    "persistent": {"core", "rank", "launch", "ui"},
+}
+# Modules of a two-sided package that run in a rank or the fork server: only these packages.
+SIDES = {
+    "nbaccel.forkserver.guard": {"core", "rank", "forkserver"},
+    "nbaccel.forkserver.preload": {"core", "rank", "forkserver"},
+    "nbaccel.forkserver.importer": {"core", "rank", "forkserver"},
+    "nbaccel.forkserver.ready": {"core", "rank", "forkserver"},
+    "nbaccel.forkserver.log": {"core", "rank", "forkserver"},
+    "nbaccel.forkserver.protocol": {"core"},
+    "nbaccel.persistent.serve": {"core", "rank", "persistent"},
+    "nbaccel.persistent.messages": {"core"},
 }
 # Single modules a layer may import outside its allowance, each with the reason.
 EXCEPTIONS = {
     # The kernel hands this function to multiprocessing as the rank's entry point.
     ("launch", "nbaccel.rank.entry"),
-    # Persistent ranks: the kernel names this command loop as the ranks' function.
-    ("launch", "nbaccel.rank.session_entry"),
+    # A script's rank asks whether it runs in the fork server (then it must not start one).
+    ("rank", "nbaccel.forkserver.guard"),
     # XLA devices as threads: the kernel names this host process as the ranks' entry point.
     ("launch", "nbaccel.rank.xla"),
 }
@@ -86,6 +101,14 @@ def test_each_layer_imports_only_what_it_may(module):
     assert not bad, f"{module} ({layer}) may not import {bad}; allowed: {sorted(ALLOWED[layer])}"
 
 
+@pytest.mark.parametrize("module", sorted(SIDES))
+def test_the_rank_side_of_a_two_sided_package_stays_on_its_side(module):
+    """A module that runs in a rank or in the fork server never loads the kernel's side (the
+    launcher, views, IPython) even though its package's kernel side may."""
+    bad = sorted(t for t in _imports(_modules()[module]) if _layer(t) not in SIDES[module])
+    assert not bad, f"{module} runs outside the kernel and may not import {bad}"
+
+
 def test_no_import_cycles():
     modules = _modules()
     graph = {m: {t for t in _imports(p) if t in modules and t != m} for m, p in modules.items()}
@@ -129,8 +152,8 @@ def test_every_module_says_its_job():
 WAITS_OUTSIDE_THE_LOOP = {
     "nbaccel.launch.loop": "the loop",
     "nbaccel.launch.relay": "collect_stacks: up to 2 s for stack dumps, inside a job's timeout",
-    "nbaccel.launch.session_start": "accept_ranks: the command sockets, before any job runs",
-    "nbaccel.launch.mirror": "the fork server's mirror socket, not the ranks' pipes",
+    "nbaccel.persistent.start": "accept_ranks: the command sockets, before any job runs",
+    "nbaccel.forkserver.mirror": "the fork server's mirror socket, not the ranks' pipes",
 }
 
 
@@ -157,7 +180,7 @@ def test_a_ranks_status_is_set_only_by_rank_state_move():
                         continue
                     own = isinstance(t.value, ast.Name) and t.value.id == "self"
                     if not own or module not in (
-                        "nbaccel.core.launch_state",
+                        "nbaccel.ui.launch_state",
                         "nbaccel.ui.config_panel",
                     ):
                         bad.append(f"{module}:{node.lineno}")

@@ -60,7 +60,7 @@ def test_a_kernel_that_imported_3000_modules_finds_them_all_in_the_server_after_
         began = time.monotonic()
         # Half before `import nbaccel` (they go with the server's start), half after (a cell's).
         value(kernel, f"for n in {names[:half]!r}: importlib.import_module(n)\n0")
-        value(kernel, "import nbaccel, nbaccel.launch.forkserver as _fs\n0")
+        value(kernel, "import nbaccel, nbaccel.forkserver.server as _fs\n0")
         value(kernel, f"for n in {names[half:]!r}: importlib.import_module(n)\n0")
         imports = time.monotonic() - began
         # The kernel idles (the person writes the next cell) for as long as the imports took,
@@ -104,7 +104,7 @@ def test_an_import_that_hangs_in_the_server_is_given_up_and_named_once(tmp_path)
             "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(3600)\n"
             "VALUE = 5\n"
         )
-        value(kernel, "import nbaccel, nbaccel.launch.forkserver as _fs\n0")
+        value(kernel, "import nbaccel, nbaccel.forkserver.server as _fs\n0")
         value(kernel, "import nbaccel.core.mp_internals as _mp\n_fs.SERVER.wait_until_ready() or 0")
         value(kernel, "import hangs_in_server\n0")  # the cell's end sends it to the server
         value(kernel, "def plain():\n    return 7\n0")
@@ -141,7 +141,7 @@ def test_what_the_server_prints_goes_to_a_bounded_log_never_into_a_cell(tmp_path
     kernel, folder = user_site_kernel(tmp_path)
     with kernel:
         (folder / "prints_in_server.py").write_text(NOISY)
-        value(kernel, "import nbaccel, nbaccel.launch.forkserver as _fs\n0")
+        value(kernel, "import nbaccel, nbaccel.forkserver.server as _fs\n0")
         cells = [kernel.execute("import prints_in_server\n0")]
         cells.append(kernel.execute("_fs.SERVER.mirror.wait()\n0", timeout=120))
         value(kernel, "def plain():\n    return 7\n0")
@@ -167,7 +167,7 @@ def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_pa
     with kernel:
         module = folder / "edited_pkg.py"
         module.write_text("VALUE = 1\n")
-        value(kernel, "import edited_pkg, nbaccel, nbaccel.launch.forkserver as _fs\n0")
+        value(kernel, "import edited_pkg, nbaccel, nbaccel.forkserver.server as _fs\n0")
         value(kernel, "def f():\n    import edited_pkg\n    return edited_pkg.VALUE\n0")
         value(kernel, "_fs.SERVER.mirror.wait()\n0")
         assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=1)") == 1

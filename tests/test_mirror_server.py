@@ -8,8 +8,8 @@ import socket
 import threading
 import time
 
-from nbaccel.core.mirror_protocol import GO, HOLD, parse_line
-from nbaccel.rank import mirror
+from nbaccel.forkserver import importer as mirror
+from nbaccel.forkserver.protocol import GO, HOLD, parse_line
 
 
 def _answers(sock: socket.socket, count: int, timeout: float = 30) -> list[dict]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 
-from nbaccel.core.launch_state import LaunchState, RankState
 from nbaccel.launch import output_logs
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.ui import panes
+from nbaccel.ui.launch_state import LaunchState, RankState
 from nbaccel.ui.text import TextView
 
 

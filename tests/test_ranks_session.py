@@ -15,9 +15,9 @@ import pytest
 
 import nbaccel
 from nbaccel.launch.options import LaunchOptions
-from nbaccel.launch.session_cell import CellError, RanksBrokenError
-from nbaccel.launch.session_start import session_plan
-from nbaccel.rank.session_entry import run_code
+from nbaccel.persistent.cell import CellError, RanksBrokenError
+from nbaccel.persistent.serve import run_code
+from nbaccel.persistent.start import session_plan
 
 
 def _gone(pids: list[int], timeout: float = 15) -> bool:

@@ -14,9 +14,9 @@ import pytest
 
 from nbaccel.core import capabilities, hardware
 from nbaccel.core.config import ConfigError, ConfigTypeError, LaunchConfig
-from nbaccel.core.failures import describe_exit, describe_raise
 from nbaccel.core.hardware import GPU
 from nbaccel.launch import plan, root_cause
+from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.lines import LINE_LIMIT, LineSplitter
 from nbaccel.rank import exit as rank_exit
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from nbaccel.core.launch_state import LaunchInfo, LaunchState, RankState, RankStatus
 from nbaccel.core.local_traceback import Renderer, render_launch_error
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.ui import chart, panes, summary, table
+from nbaccel.ui.launch_state import LaunchInfo, LaunchState, RankState, RankStatus
 from tests.fresh_boot import fresh_boot_clock  # noqa: F401 - a fixture, used below
 
 # Each test runs at the real clock and as on a machine booted a second ago: the view model's
@@ -234,7 +234,7 @@ def test_line_splitter_shows_partial_lines_and_drops_torch_rank_prefix():
 def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
     import linecache
 
-    from nbaccel.core.errors import RankFailedError
+    from nbaccel.launch.errors import RankFailedError
 
     cell_file = "/tmp/ipykernel_4242/123456.py"
     source = "def boom():\n    x = 1\n    raise ValueError('bad batch')\n"
@@ -301,7 +301,7 @@ def test_text_view_repeats_a_stall_notice_only_when_it_doubles_or_moves(capsys):
 
 
 def test_a_ranks_cell_ends_with_a_status_line_only_when_it_ran_long(capsys):
-    from nbaccel.ui.cell_view import CellView
+    from nbaccel.persistent.cell_view import CellView
 
     for took, shown in ((0.5, False), (12.0, True)):
         state = make_state(2)
@@ -394,7 +394,7 @@ def test_no_stall_while_a_rank_compiles_and_the_row_says_it_compiles():
 
 
 def test_a_ranks_cell_keeps_each_ranks_burst_of_lines_together(capsys):
-    from nbaccel.ui.cell_view import BURST_QUIET, CellView
+    from nbaccel.persistent.cell_view import BURST_QUIET, CellView
 
     state = make_state(2, t0=time.monotonic())
     view = CellView()

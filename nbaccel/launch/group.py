@@ -22,9 +22,10 @@ from typing import Any
 import psutil
 
 from nbaccel.core import mp_internals, processes
-from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
-from nbaccel.launch import containment, forkserver
+from nbaccel.forkserver import server as forkserver
+from nbaccel.launch import containment
+from nbaccel.launch.errors import LaunchError
 from nbaccel.rank.entry import run_rank
 
 STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL

@@ -28,16 +28,14 @@ from types import TracebackType
 from typing import Any
 
 from nbaccel.core import mp_internals, shared_tensors
-from nbaccel.core.errors import (
+from nbaccel.launch import loop, root_cause
+from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
 )
-from nbaccel.core.failures import describe_exit
-from nbaccel.core.launch_state import LaunchState, Outcome
-from nbaccel.core.launch_state import RankStatus as Status
-from nbaccel.launch import loop, root_cause
-from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.failures import describe_exit
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import LaunchOptions
@@ -46,6 +44,8 @@ from nbaccel.launch.protocols import RankGroup
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.ui import choose_view
 from nbaccel.ui.busy import BusyBeacon
+from nbaccel.ui.launch_state import LaunchState, Outcome
+from nbaccel.ui.launch_state import RankStatus as Status
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 

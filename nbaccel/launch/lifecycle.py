@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import time
 
-from nbaccel.core.errors import LaunchError
-from nbaccel.core.launch_state import LaunchState, Outcome, RankState
-from nbaccel.launch import forkserver, xla
+from nbaccel.forkserver import server as forkserver
+from nbaccel.launch import xla
 from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay
 from nbaccel.ui import View
+from nbaccel.ui.launch_state import LaunchState, Outcome, RankState
 
 
 class RankLifecycle:

@@ -18,14 +18,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbaccel.core import capabilities, capacity, hardware, pickling, rendezvous, shared_tensors
+from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int, third_party_env
 from nbaccel.core.events import RankSpec
-from nbaccel.core.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
-from nbaccel.launch import payload, xla
-from nbaccel.launch.forkserver import resolve_start_method
+from nbaccel.forkserver.server import resolve_start_method
+from nbaccel.launch import capacity, payload, xla
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.protocols import Cluster
+from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
 
 __all__ = ["UNSET", "LaunchOptions", "LaunchPlan", "check_start_method", "resolve_plan"]
 

@@ -24,18 +24,18 @@ from types import FrameType
 from typing import Any
 
 from nbaccel.core import events
-from nbaccel.core.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
-from nbaccel.core.failures import describe_raise
-from nbaccel.core.launch_state import LaunchState
-from nbaccel.core.launch_state import RankStatus as Status
 from nbaccel.launch import post_mortem, root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
 from nbaccel.launch.debugging import Debugging
+from nbaccel.launch.errors import LaunchError, RankFailedError, load_exception
+from nbaccel.launch.failures import describe_raise
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.launch.output_logs import LaunchLogs
 from nbaccel.ui import View
+from nbaccel.ui.launch_state import LaunchState
+from nbaccel.ui.launch_state import RankStatus as Status
 
 STACK_WAIT = 2.0  # seconds to wait for stack dumps at a timeout
 TICK = 0.05  # s between looks at the pipes while a person types at a rank's prompt

@@ -57,7 +57,7 @@ ENV_UNREACHABLE = "NBACCEL_DEBUG_UNREACHABLE"
 PLUMBING_MODULES = frozenset(
     {
         "nbaccel.rank.entry",
-        "nbaccel.rank.session_entry",
+        "nbaccel.persistent.serve",
         "nbaccel.rank.script_entry",
         "nbaccel.rank.xla",
         "runpy",

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbaccel.core.processes import RANK_PROCESS_PREFIX
-from nbaccel.rank.server_guard import in_fork_server
+from nbaccel.forkserver.guard import in_fork_server
 
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 _prepare = multiprocessing.spawn.prepare

@@ -51,7 +51,7 @@ from nbaccel.training.strategies.base import Strategy, state_file
 from nbaccel.training.torch_files import atomic_save
 
 if TYPE_CHECKING:  # the Accelerator, as its saving mixin hands itself over
-    from nbaccel.training.accelerator_parts import AcceleratorParts
+    from nbaccel.training.accelerator.parts import AcceleratorParts
 
 
 # -- the files of a checkpoint folder: Accelerate's names --------------------------------

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from nbaccel.core import capabilities
 from nbaccel.rank import reporting
-from nbaccel.training.accelerator_parts import AcceleratorParts
+from nbaccel.training.accelerator.parts import AcceleratorParts
 from nbaccel.training.options import LoggerType
 from nbaccel.training.process import env_int
 

@@ -2,7 +2,7 @@
 
 :func:`serve` is the "training function" of a normal notebook rank (``rank.entry.run_rank`` runs
 it), so output pipes, containment and the exit protocol are those of a launch. It connects to the
-kernel's command socket, then runs each :class:`~nbaccel.core.session_messages.Command` and
+kernel's command socket, then runs each :class:`~nbaccel.persistent.messages.Command` and
 answers with one ``Done``. SIGINT raises ``KeyboardInterrupt`` inside the cell's code only, once
 per cell; between cells the rank ignores it. A watcher thread reports when the cell's code has
 been waiting inside a torch.distributed call for a while (``Blocked``), so the kernel can tell a
@@ -25,7 +25,7 @@ from multiprocessing.connection import Client
 from typing import Any
 
 from nbaccel.core import pickling
-from nbaccel.core.session_messages import Blocked, Command, Done, Hello, cell_filename
+from nbaccel.persistent.messages import Blocked, Command, Done, Hello, cell_filename
 from nbaccel.rank import debugger, entry, exit
 
 BLOCKED_AFTER = 0.3  # seconds inside one torch.distributed call before the kernel is told

@@ -3,7 +3,7 @@
 While a command runs, :func:`run_command` waits on every rank's pipes (read through the session's
 :class:`~nbaccel.launch.relay.Relay`, so output lines, progress and the views work as for a
 launch), its command socket and its exit sentinel. It returns each rank's
-:class:`~nbaccel.core.session_messages.Done`, or raises:
+:class:`~nbaccel.persistent.messages.Done`, or raises:
 
 - :class:`CellError` when the code raised on some rank (the ranks live on, with their state);
 - ``KeyboardInterrupt`` after the stop button: every rank's cell code got a KeyboardInterrupt;
@@ -23,15 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
-from nbaccel.core.failures import describe_exit, describe_raise
-from nbaccel.core.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.core.local_traceback import name_cell
-from nbaccel.core.session_messages import Blocked, Command, Done, cell_filename
 from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
+from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay
+from nbaccel.persistent.messages import Blocked, Command, Done, cell_filename
+from nbaccel.ui.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 
 COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
 INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT
@@ -337,12 +337,12 @@ def cell_stack(dump: str) -> str:
     >>> cell_stack('Thread 0x1 (most recent call first):\\n  File "w.py", line 3 in watch\\n\\n'
     ...            'Current thread 0x2 (most recent call first):\\n'
     ...            '  File "<rank cell 3>", line 2 in <module>\\n'
-    ...            '  File "/x/nbaccel/rank/session_entry.py", line 149 in run_code')
+    ...            '  File "/x/nbaccel/persistent/serve.py", line 149 in run_code')
     'Current thread 0x2 (most recent call first):\\n  File "<rank cell 3>", line 2 in <module>'
     """
     blocks = dump.strip().split("\n\n")
     main = next((b for b in blocks if b.startswith("Current thread")), dump.strip())
-    plumbing = ("nbaccel/rank/session_entry.py", "nbaccel/rank/entry.py")
+    plumbing = ("nbaccel/persistent/serve.py", "nbaccel/rank/entry.py")
     lines = root_cause.without_plumbing(main).splitlines()
     return "\n".join(ln for ln in lines if not any(p in ln for p in plumbing))
 

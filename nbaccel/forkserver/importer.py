@@ -1,5 +1,5 @@
 """Imported by the fork server after torch: imports, in a thread, the modules the kernel has
-imported, so the ranks forked later find them loaded (``nbaccel.launch.mirror`` is the kernel's
+imported, so the ranks forked later find them loaded (``nbaccel.forkserver.mirror`` is the kernel's
 side and decides which modules qualify).
 
 The kernel names in ``NBACCEL_MIRROR_ADDRESS`` a Unix socket it listens on and in
@@ -41,7 +41,8 @@ import traceback
 from typing import Any
 
 from nbaccel.core import libc
-from nbaccel.core.mirror_protocol import (
+from nbaccel.forkserver.guard import in_fork_server
+from nbaccel.forkserver.protocol import (
     ENV_ADDRESS,
     ENV_FILE,
     GO,
@@ -51,7 +52,6 @@ from nbaccel.core.mirror_protocol import (
     encode,
     kernel_side,
 )
-from nbaccel.rank.server_guard import in_fork_server
 
 _fork_lock = threading.Lock()
 _state: dict[str, Any] = {"active": False, "sock": None, "thread": None}

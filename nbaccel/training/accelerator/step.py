@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from nbaccel.training import data
-from nbaccel.training.accelerator_parts import AcceleratorParts
+from nbaccel.training.accelerator.parts import AcceleratorParts
 from nbaccel.training.memory import release_memory
 from nbaccel.training.options import AutocastKwargs, ProfileKwargs
 

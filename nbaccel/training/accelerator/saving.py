@@ -19,7 +19,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from nbaccel.training import checkpoint, model_files, xla
-from nbaccel.training.accelerator_parts import AcceleratorParts
+from nbaccel.training.accelerator.parts import AcceleratorParts
 
 
 class Saving(AcceleratorParts):

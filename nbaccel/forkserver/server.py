@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from nbaccel.core import mp_internals
-from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
-from nbaccel.core.mirror_protocol import ENV_SERVER_LOG
-from nbaccel.launch import containment, mirror
+from nbaccel.forkserver import mirror
+from nbaccel.forkserver.protocol import ENV_SERVER_LOG
+from nbaccel.launch import containment
+from nbaccel.launch.errors import LaunchError
 from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
@@ -38,12 +39,12 @@ from nbaccel.ui import in_kernel
 # launch's own preloads, the mirror (its thread imports what the kernel has) and the ready
 # signal last.
 SERVER_PRELOAD = (
-    "nbaccel.rank.server_guard",
-    "nbaccel.rank.server_log",
+    "nbaccel.forkserver.guard",
+    "nbaccel.forkserver.log",
     "nbaccel.rank.launching_script",
-    "nbaccel.rank.preload",
+    "nbaccel.forkserver.preload",
 )
-SERVER_LAST = ("nbaccel.rank.mirror", "nbaccel.rank.server_ready")
+SERVER_LAST = ("nbaccel.forkserver.importer", "nbaccel.forkserver.ready")
 ENV_READY_FILE = "NBACCEL_SERVER_READY_FILE"
 T = TypeVar("T")  # what a rank start returns
 # How often a launch replaces a server that broke while mirroring before it does without.
@@ -153,7 +154,7 @@ class ForkServer:
     ) -> Iterator[None]:
         """Around the forks of a launch's ranks: wait until the server is ready and has
         imported the kernel's modules the function refers to; afterwards let it mirror the
-        rest. ``waiting`` hears, about every :data:`~nbaccel.launch.mirror.TICK` s, what is
+        rest. ``waiting`` hears, about every :data:`~nbaccel.forkserver.mirror.TICK` s, what is
         waited for in words, and ``None`` once the ranks are starting.
 
         A server that broke while mirroring (an import loaded CUDA, took too long, or killed
@@ -380,7 +381,7 @@ class ForkServer:
     ) -> None:
         """Wait until the fork server started by :meth:`ensure` has finished importing;
         ``waiting`` hears what it imports ("fork server: importing torch._dynamo") about every
-        :data:`~nbaccel.launch.mirror.TICK` s meanwhile.
+        :data:`~nbaccel.forkserver.mirror.TICK` s meanwhile.
 
         Returns at once for a server that is ready (or that nbaccel did not start). The wait
         is interruptible: a ``KeyboardInterrupt`` here leaves no rank half-started, because

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from nbaccel.core.child_failed import fill_failures, rank_failed_class
+from nbaccel.launch.child_failed import fill_failures, rank_failed_class
 
 
 class UsageError(Exception):

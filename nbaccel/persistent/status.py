@@ -20,7 +20,7 @@ def _mib(n: int | None) -> str:
 
 
 def rank_rows(ranks: Any) -> list[dict[str, str]]:
-    """The status of each rank of a :class:`~nbaccel.launch.session.Ranks` session (``None``:
+    """The status of each rank of a :class:`~nbaccel.persistent.session.Ranks` session (``None``:
     none was started yet).
 
     >>> rank_rows(None)[0]["state"]

@@ -17,8 +17,8 @@ import os
 import threading
 from typing import BinaryIO
 
-from nbaccel.core.mirror_protocol import ENV_SERVER_LOG
-from nbaccel.rank.server_guard import in_fork_server
+from nbaccel.forkserver.guard import in_fork_server
+from nbaccel.forkserver.protocol import ENV_SERVER_LOG
 
 LIMIT = 1024 * 1024  # bytes of the server's output kept per server
 

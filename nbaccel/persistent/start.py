@@ -1,7 +1,7 @@
 """How a persistent-rank session starts: its plan, each rank's command connection, the cell view.
 
 The plan follows ``notebook_launcher``'s rules (:func:`~nbaccel.launch.plan.resolve_plan`) with
-``nbaccel.rank.session_entry.serve`` as the rank's function; each rank then connects to the
+``nbaccel.persistent.serve.serve`` as the rank's function; each rank then connects to the
 session's Unix socket and says which rank it is.
 """
 
@@ -15,13 +15,13 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from nbaccel.core.launch_state import LaunchState
-from nbaccel.core.session_messages import Hello
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan, resolve_plan
 from nbaccel.launch.relay import Relay
-from nbaccel.launch.session_cell import RanksBrokenError
-from nbaccel.rank.session_entry import serve
+from nbaccel.persistent.cell import RanksBrokenError
+from nbaccel.persistent.messages import Hello
+from nbaccel.persistent.serve import serve
+from nbaccel.ui.launch_state import LaunchState
 from nbaccel.ui.text import TextView
 
 START_TIMEOUT = 120.0  # s for every rank to connect its command socket

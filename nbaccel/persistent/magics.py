@@ -82,14 +82,14 @@ class RanksMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self.session: Any = None  # nbaccel.launch.session.Ranks
+        self.session: Any = None  # nbaccel.persistent.session.Ranks
         self.auto = False
         self._start_args: dict[str, Any] = {}
 
     def debug_cell_error(self, error: BaseException | None) -> bool:
         """``%debug`` after a ``%%ranks`` cell failed: pdb on the failing rank's real frames
         (the ranks are alive); whether ``error`` was such a failure of the running session."""
-        from nbaccel.launch.session_cell import CellError
+        from nbaccel.persistent.cell import CellError
 
         if not isinstance(error, CellError) or self.session is None or not self.session.started:
             return False
@@ -99,7 +99,7 @@ class RanksMagics(Magics):
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> Any:
         __tracebackhide__ = True
-        from nbaccel.core.errors import LaunchError
+        from nbaccel.launch.errors import LaunchError
 
         try:
             if cell is not None:
@@ -126,7 +126,7 @@ class RanksMagics(Magics):
     def _cmd_start(self, words: list[str]) -> None:
         __tracebackhide__ = True
         from nbaccel.launch.plan import UNSET
-        from nbaccel.launch.session import Ranks
+        from nbaccel.persistent.session import Ranks
 
         if self.session is not None and self.session.started:
             s = self.session
@@ -169,7 +169,7 @@ class RanksMagics(Magics):
         self.auto = False
 
     def _cmd_status(self, words: list[str]) -> Any:
-        from nbaccel.launch.session_status import StatusTable, rank_rows
+        from nbaccel.persistent.status import StatusTable, rank_rows
 
         return StatusTable(rank_rows(self.session))  # before a start as after a stop
 

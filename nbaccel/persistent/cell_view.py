@@ -6,7 +6,7 @@ table: a cell that reports progress (``nbaccel.progress``, ``nbaccel.log``) gets
 dashboard's table and charts (widget frontends) or progress lines (text), for the cell's ranks
 only, and a cell ends with one status line only when it ran long or stalled on the way.
 
-``nbaccel.Ranks`` gives each cell one (``launch/session.py``), e.g. for ``%%ranks --rank 1`` in
+``nbaccel.Ranks`` gives each cell one (``persistent/session.py``), e.g. for ``%%ranks --rank 1`` in
 JupyterLab:
 
 >>> view = CellView(ranks=[1], widgets=True)   # [rank1] lines; a table only with progress
@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from nbaccel.core.launch_state import RUNNING, LaunchState
 from nbaccel.ui.formats import format_bytes, format_seconds
+from nbaccel.ui.launch_state import RUNNING, LaunchState
 from nbaccel.ui.text import TextView
 
 LONG_CELL = 10.0  # s: a cell that ran this long ends with a status line

@@ -32,11 +32,12 @@ from torch.utils.data import DataLoader
 
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import settings_report
-from nbaccel.training import accelerator_pickling, data, data_compat
-from nbaccel.training.accelerator_options import resolve_options
-from nbaccel.training.accelerator_processes import ProcessControl
-from nbaccel.training.accelerator_saving import Saving
-from nbaccel.training.accelerator_step import TrainingStep
+from nbaccel.training import data, data_compat
+from nbaccel.training.accelerator import pickling as accelerator_pickling
+from nbaccel.training.accelerator.options import resolve_options
+from nbaccel.training.accelerator.processes import ProcessControl
+from nbaccel.training.accelerator.saving import Saving
+from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
 from nbaccel.training.options import LoggerType
 from nbaccel.training.partial_state import AcceleratorState

@@ -1,5 +1,5 @@
 """The kernel's side of the mirror: which of the kernel's modules the fork server imports too,
-so ranks find them loaded, and the conversation with the server (``nbaccel.rank.mirror``).
+so ranks find them loaded, and the conversation with the server (``nbaccel.forkserver.importer``).
 
 What qualifies (:func:`candidates`): a module the kernel has loaded, in the order it loaded them,
 whose file lies in a site-packages folder (installed code; one the kernel reloads is reloaded
@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbaccel.core.events import RankSpec
-from nbaccel.core.mirror_protocol import (
+from nbaccel.forkserver.protocol import (
     ENV_ADDRESS,
     ENV_FILE,
     GO,

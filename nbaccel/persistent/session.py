@@ -1,7 +1,7 @@
 """Persistent ranks: start N ranks once, then run cell after cell on all of them.
 
 A :class:`Ranks` session is a normal launch whose training function is a command loop
-(``nbaccel.rank.session_entry.serve``): the same plan, environment, fork server, containment and
+(``nbaccel.persistent.serve.serve``): the same plan, environment, fork server, containment and
 per-rank pipes as ``notebook_launcher``, plus one command socket per rank. Each rank keeps its
 own namespace, with ``accelerator = nbaccel.Accelerator()`` (the process group formed: gloo on
 CPU, NCCL with one GPU per rank), ``torch`` and ``dist`` (``torch.distributed``) ready.
@@ -30,16 +30,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from nbaccel.core import pickling
-from nbaccel.core.errors import RankFailedError
-from nbaccel.core.launch_state import Outcome
-from nbaccel.core.session_messages import Command, Done
 from nbaccel.launch.containment import sigint_deferred
+from nbaccel.launch.errors import RankFailedError
 from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload
-from nbaccel.launch.session_cell import (
+from nbaccel.persistent.cell import (
     CellError,
     CellTimeoutError,
     RanksBrokenError,
@@ -47,11 +45,13 @@ from nbaccel.launch.session_cell import (
     reset_state,
     run_command,
 )
-from nbaccel.launch.session_start import SETUP_CODE, CellTextView, accept_ranks, session_plan
-from nbaccel.launch.session_status import StatusTable, rank_rows
+from nbaccel.persistent.cell_view import CellView
+from nbaccel.persistent.messages import Command, Done
+from nbaccel.persistent.start import SETUP_CODE, CellTextView, accept_ranks, session_plan
+from nbaccel.persistent.status import StatusTable, rank_rows
 from nbaccel.ui import View, wants_widgets
 from nbaccel.ui.busy import BusyBeacon
-from nbaccel.ui.cell_view import CellView
+from nbaccel.ui.launch_state import Outcome
 
 
 class Ranks:
