@@ -1,4 +1,4 @@
-"""The fork server mirrors what the kernel imported (``launch.mirror``, ``rank.mirror``), in real
+"""The fork server mirrors what the kernel imported (``forkserver.mirror``, ``forkserver.importer``), in real
 kernels: a rank is sound whatever the kernel imported before ``import nbaccel`` (pyarrow's C-level
 type registry is the case that broke when the server was a module-forgetting fork of the kernel),
 the kernel's packages are warm in the ranks, an import the server cannot make is skipped, and a

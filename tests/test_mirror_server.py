@@ -1,4 +1,4 @@
-"""The fork server's side of the mirror (``rank.mirror``) speaking to a kernel that is busy: run
+"""The fork server's side of the mirror (``forkserver.importer``) speaking to a kernel that is busy: run
 in this process over a socket pair, with modules already loaded, so it is quick."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ side and decides which modules qualify).
 
 The kernel names in ``NBACCEL_MIRROR_ADDRESS`` a Unix socket it listens on and in
 ``NBACCEL_MIRROR_FILE`` the modules it had when it started the server; later it sends more
-(``core.mirror_protocol``). Each import is answered; one that fails is skipped, never fatal
+(``forkserver.protocol``). Each import is answered; one that fails is skipped, never fatal
 (what it imported on the way stays, as in any process where an import failed). Before it forks
 ranks the kernel says ``HOLD`` with the names the launched function needs: the server imports
 those first, then no more until ``GO``, so a rank never waits for an import it does not need

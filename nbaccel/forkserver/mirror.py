@@ -4,7 +4,7 @@ so ranks find them loaded, and the conversation with the server (``nbaccel.forks
 What qualifies (:func:`candidates`): a module the kernel has loaded, in the order it loaded them,
 whose file lies in a site-packages folder (installed code; one the kernel reloads is reloaded
 in the server too, before the next launch's ranks fork), that
-is no part of the kernel's side (``core.mirror_protocol.KERNEL_SIDE``), of the standard library
+is no part of the kernel's side (``forkserver.protocol.KERNEL_SIDE``), of the standard library
 or of nbaccel. The user's own modules (files in the working directory, on ``PYTHONPATH``,
 editable installs) are never mirrored: each rank imports them afresh, so one edited and reloaded
 in the kernel arrives edited.

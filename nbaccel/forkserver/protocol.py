@@ -21,7 +21,7 @@ from typing import Any
 
 ENV_ADDRESS = "NBACCEL_MIRROR_ADDRESS"  # the kernel's Unix socket, which the server connects to
 ENV_FILE = "NBACCEL_MIRROR_FILE"  # the names the kernel had when it started the server
-# The file the fork server's own output goes to (``rank.server_log``), never into a cell.
+# The file the fork server's own output goes to (``forkserver.log``), never into a cell.
 ENV_SERVER_LOG = "NBACCEL_SERVER_LOG"
 HOLD, GO, PATH, RELOAD = "HOLD", "GO", "PATH", "RELOAD"
 

@@ -3,7 +3,7 @@ imported torch once, without the kernel's threads or CUDA context, from which ra
 milliseconds.
 
 In a notebook kernel it starts at ``import nbaccel``, so it is warm by the first launch, and it
-mirrors what the kernel imports (``launch.mirror``): before the ranks of a launch fork, the
+mirrors what the kernel imports (``forkserver.mirror``): before the ranks of a launch fork, the
 kernel's modules the launched function refers to; after, the rest. From the next launch on every
 rank finds the kernel's packages loaded, without ever sharing the kernel's process state.
 """
@@ -99,7 +99,7 @@ class ForkServer:
         # Servers replaced while ranks of theirs ran: each keeps serving them, and is stopped
         # once the last has been reaped (pid -> what mp_internals.end_detached needs).
         self._retired: dict[int, tuple[int, int, Any]] = {}
-        # In a kernel, the servers' own output goes here (rank.server_log), never into a cell;
+        # In a kernel, the servers' own output goes here (forkserver.log), never into a cell;
         # how much of it a launch has pointed to already.
         self.log_path: str | None = None
         self._log_told = 0
@@ -423,7 +423,7 @@ def _tell(waiting: Callable[[str | None], None], words: Callable[[], str]) -> No
 
 
 def _importing(marker: str) -> str:
-    """What the warming server says it imports (``rank.preload`` writes it into the marker)."""
+    """What the warming server says it imports (``forkserver.preload`` writes it into the marker)."""
     try:
         with open(marker, encoding="utf-8") as f:
             return f.read().strip() or "torch"

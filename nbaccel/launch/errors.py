@@ -37,7 +37,7 @@ class RankFailedError(LaunchError):
             message.
 
     Where torch elastic's errors module is loaded (code that says ``except ChildFailedError``,
-    as written for Accelerate), the error is a ``ChildFailedError`` too (``core.child_failed``).
+    as written for Accelerate), the error is a ``ChildFailedError`` too (``launch.child_failed``).
     """
 
     def __new__(cls, *args: object, **kwargs: object) -> RankFailedError:

@@ -1,5 +1,5 @@
 """How a plan's ranks start and how they are torn down, in one place: for each attempt of a
-launch (``launch.launch``) and for a ``%ranks`` session (``launch.session``) alike.
+launch (``launch.launch``) and for a ``%ranks`` session (``persistent.session``) alike.
 
 The start: the view first (a cell must not stay blank while the fork server still imports
 torch), the fork server (refusing a restart that would stop other launches' ranks), the group's

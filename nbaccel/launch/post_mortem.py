@@ -39,7 +39,7 @@ KEPT = 4  # failures whose frames are kept (the newest), for %debug after them
 _RECORDS: collections.OrderedDict[int, tuple[BaseException, int, bytes]] = collections.OrderedDict()
 _NEXT, _RAISE = "__nbaccel_next__", "__nbaccel_exc__"
 # Debuggers for errors whose ranks are still alive (a %%ranks cell's): each says whether it
-# took the error (and debugged it). ``%ranks`` adds its own (``launch.magics``).
+# took the error (and debugged it). ``%ranks`` adds its own (``persistent.magics``).
 LIVE: list[Callable[[BaseException | None], bool]] = []
 
 

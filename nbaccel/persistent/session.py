@@ -369,7 +369,7 @@ class Ranks:
         return chosen
 
     def _view(self, ranks: list[int]) -> View:
-        """A cell's view: the cell's output like a local cell's (``ui.cell_view``)."""
+        """A cell's view: the cell's output like a local cell's (``persistent.cell_view``)."""
         progress = self.options.progress
         return CellView(ranks, widgets=wants_widgets(progress), show_progress=progress is not False)
 
