@@ -23,6 +23,7 @@ from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int, third_par
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver.server import resolve_start_method
 from nbaccel.launch import capacity, payload, xla
+from nbaccel.launch.kernel_objects import kernel_containers_changed
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.protocols import Cluster
 from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
@@ -69,6 +70,8 @@ def resolve_plan(
     preload = _check_preload(options.preload)
     cfg = _resolve_config(options)
     nprocs = _resolve_num_processes(cfg.num_processes)
+    if nprocs == 1 and options.num_nodes == 1 and options.cluster is None:
+        _name_what_stays_in_the_worker(function)
     node_rank, num_nodes, cluster = options.node_rank, options.num_nodes, options.cluster
     check_int("node_rank", node_rank, 0)
     check_int("num_nodes", num_nodes, 1)
@@ -341,6 +344,22 @@ def _resolve_num_processes(requested: int | None) -> int:
         stacklevel=3,
     )
     return 1
+
+
+def _name_what_stays_in_the_worker(function: Callable[..., Any]) -> None:
+    """One line where a one-process launch changes a notebook list or dict in place: under
+    Accelerate that function runs in the kernel; here it runs in a worker, so the change stays
+    there (Accelerate's own tutorial collects results this way)."""
+    names = kernel_containers_changed(function)
+    if names:
+        shown = ", ".join(f"`{n}`" for n in names)
+        warnings.warn(
+            f"{getattr(function, '__name__', 'the function')} changes {shown} in place, but "
+            "num_processes=1 runs it in a worker process (so the kernel never touches CUDA): "
+            "those changes stay in the worker. Return the values instead; notebook_launcher "
+            "returns what rank 0 returns.",
+            stacklevel=3,
+        )
 
 
 def _resolve_port(use_port: int | str, master_addr: str, node_rank: int, num_nodes: int) -> int:
