@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -253,3 +253,10 @@ class KernelSession:
         assert cell.error is None, cell.error_text
         pids = eval(cell.stdout.strip() or "[]")  # a list of ints printed by the kernel
         return [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
+
+
+def text_view_kernel(startup: str = "import nbaccel, os, time") -> Iterator[KernelSession]:
+    """A kernel shared by a test module whose launches show the plain text view (the lines a
+    test reads); use as ``yield from text_view_kernel()`` in a module-scoped fixture."""
+    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup=startup) as kernel:
+        yield kernel

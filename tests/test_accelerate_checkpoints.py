@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import nbaccel
+from tests.side_by_side import run_as
 
 pytest.importorskip("accelerate")
 
@@ -83,16 +84,7 @@ def run(lib: str, save_to: str | None = None, resume_from: list[str] = ()) -> di
 
 
 def _launch(lib: str, processes: int, **kwargs) -> list[dict]:
-    env = {"ACCELERATE_USE_CPU": "true"} if lib == "accelerate" else {}
-    return nbaccel.notebook_launcher(
-        run,
-        args=(lib,),
-        kwargs=kwargs,
-        num_processes=processes,
-        progress=False,
-        return_all=True,
-        env=env,
-    )
+    return run_as(lib, run, processes, **kwargs)
 
 
 def _contents(folder) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-import nbaccel
+from tests.side_by_side import run_as
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow  # real launches, both libraries
@@ -75,16 +75,7 @@ def cv_loop(lib: str, cases: list[tuple[int, int]], dispatch: bool = False) -> d
 
 
 def _run(lib: str, processes: int, **kwargs) -> list[dict]:
-    env = {"ACCELERATE_USE_CPU": "true"} if lib == "accelerate" else {}
-    return nbaccel.notebook_launcher(
-        cv_loop,
-        args=(lib,),
-        kwargs=kwargs,
-        num_processes=processes,
-        progress=False,
-        return_all=True,
-        env=env,
-    )
+    return run_as(lib, cv_loop, processes, **kwargs)
 
 
 @pytest.mark.parametrize("processes", [2, 3])

@@ -8,15 +8,14 @@ import textwrap
 
 import pytest
 
-from tests.kernel_helpers import KernelSession
+from tests.kernel_helpers import text_view_kernel
 
 pytestmark = pytest.mark.slow  # a real kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
-        yield k
+    yield from text_view_kernel()
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-import nbaccel
+from tests.side_by_side import run_as
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow  # real launches, both libraries
@@ -47,16 +47,7 @@ def seeded_losses(lib: str, shuffle: bool = True, epochs: int = 2) -> list[float
 
 
 def _run(lib: str, processes: int, function=seeded_losses, **kwargs) -> list[list[float]]:
-    env = {"ACCELERATE_USE_CPU": "true"} if lib == "accelerate" else {}
-    return nbaccel.notebook_launcher(
-        function,
-        args=(lib,),
-        kwargs=kwargs,
-        num_processes=processes,
-        progress=False,
-        return_all=True,
-        env=env,
-    )
+    return run_as(lib, function, processes, **kwargs)
 
 
 @pytest.mark.parametrize("processes", [1, 2])
