@@ -37,7 +37,7 @@ START = textwrap.dedent("""
     while not any(r.paused for r in (launch.state.ranks.values() if launch.state else [])):
         time.sleep(0.05)
     from nbaccel.ui.summary import stall_text
-    print(stall_text(launch.state))
+    print(stall_text(launch.state, time.monotonic()))
 """).strip()
 
 

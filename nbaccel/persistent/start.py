@@ -45,6 +45,11 @@ class CellTextView(TextView):
         self._print_skipped(force=True)
         self._flush()
 
+    def _print_waiting(self, now: float) -> None:
+        # `%ranks start` says "starting 2 ranks… ready (...)" on one line, finished by the
+        # session when its ranks connect: a waiting line would cut it in two.
+        pass
+
 
 def session_plan(options: LaunchOptions, gpus: Sequence[int] | None, address: str) -> LaunchPlan:
     """The launch plan of a session: ``notebook_launcher``'s rules, ``serve`` as the function;

@@ -91,7 +91,7 @@ class PreparedDataLoader:
             # A resumed epoch made that draw before the checkpoint, so it draws from this one.
             self._generator = torch.Generator()
             self._loader = _rebuild(loader, self._sampler, self._generator)
-        self.batch_size = self._sampler.per_rank if self._sampler else loader.batch_size
+        self.batch_size = self._sampler.per_rank if self._sampler is not None else loader.batch_size
         # Accelerate's DataLoaderShard state: whether the batch just yielded is the epoch's
         # last, and how many samples the last step has over all ranks (-1: unknown).
         self.end_of_dataloader, self.remainder = False, -1
@@ -163,7 +163,7 @@ class PreparedDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: epoch, batches already yielded in it, the shuffle seed, and the
         loader's own generator as it was when the epoch started."""
-        seed = self._sampler.seed if self._sampler else 0
+        seed = self._sampler.seed if self._sampler is not None else 0
         state: dict[str, Any] = {"epoch": self.epoch, "position": self.position, "seed": seed}
         if self._sampler is not None and self._sampler.generator is not None:
             epoch_start = self._sampler.epoch_state if self.position else None
@@ -193,7 +193,7 @@ class PreparedDataLoader:
             self._generator.manual_seed(mix % 2**63)
             own = self.original.generator is not None or self._skip
             self._loader.generator = self._generator if own else None
-        source = self._loader if self._sampler else self._dealt(self._skip)
+        source = self._loader if self._sampler is not None else self._dealt(self._skip)
         self.end_of_dataloader, self.remainder = False, self._last_step_size()
         self.position, self._skip = self._skip, 0
         if not self._gs.iterating:  # an epoch: the step count's total, where that is progress

@@ -287,7 +287,11 @@ class ShardedBatchSampler:
         self.sampler = loader.sampler
         # What Accelerate's BatchSamplerShard calls `batch_sampler`: the batches it deals out
         # (a user's, or the loader's own BatchSampler over its sampler).
-        self.batch_sampler: Any = self.user_batch_sampler or loader.batch_sampler
+        # (`is None`, not truthiness: a BatchSampler of no batches, e.g. 1 sample with
+        # drop_last, is falsy through its len.)
+        self.batch_sampler: Any = (
+            loader.batch_sampler if self.user_batch_sampler is None else self.user_batch_sampler
+        )
         self.drop_last = loader.drop_last
         inner = getattr(self.user_batch_sampler, "sampler", self.sampler)
         self.generator = getattr(inner, "generator", None)
