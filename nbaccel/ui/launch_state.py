@@ -353,6 +353,16 @@ class LaunchState:
         """
         return (now if self.ended_at is None else self.ended_at) - self.started_at
 
+    def waited(self, now: float) -> float:
+        """Seconds the launch has waited for ``waiting_for`` (from the launch's start where
+        the waiter gave no time of its own).
+
+        >>> LaunchState(None, {}, started_at=10.0, waiting_since=11.0).waited(now=12.5)
+        1.5
+        """
+        since = self.started_at if self.waiting_since is None else self.waiting_since
+        return max(0.0, now - since)
+
     def log_path(self, rank: int, stream: str) -> str | None:
         """The file with every byte ``rank`` wrote to ``stream`` (None before its folder exists).
 

@@ -109,8 +109,7 @@ def waiting_text(state: LaunchState, now: float) -> str:
     """
     if state.waiting_for is None:
         return ""
-    since = state.started_at if state.waiting_since is None else state.waiting_since
-    return f"{state.waiting_for} ({format_seconds(max(0.0, now - since))})"
+    return f"{state.waiting_for} ({format_seconds(state.waited(now))})"
 
 
 def stall_text(state: LaunchState, now: float) -> str:

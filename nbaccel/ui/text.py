@@ -162,8 +162,7 @@ class TextView:
         if state is None or state.waiting_for is None:
             self._wait_shown = ""
             return
-        since = state.waiting_since if state.waiting_since is not None else state.started_at
-        waited = now - since
+        waited = state.waited(now)
         changed = state.waiting_for != self._wait_shown
         if changed and (
             not self._wait_shown or now - self._wait_shown_at >= self.progress_interval
