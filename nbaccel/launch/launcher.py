@@ -54,9 +54,9 @@ def notebook_launcher(
     ``function`` is a plain function (a generator or ``async def`` one is refused before any
     rank starts). Parameters shared with Hugging Face Accelerate's ``notebook_launcher`` keep
     its names, order and meanings; every keyword is a field of :class:`nbaccel.LaunchOptions`
-    (``LaunchOptions.doc("timeout")`` documents each). ``num_processes=None`` means every visible GPU, else 1. Settings not
-    given here come from ``config``, else from the saved default config (``nbaccel.configure()``/
-    ``nbaccel config``). ``max_restarts`` relaunches every rank after a rank fails, that many
+    (``LaunchOptions.doc("timeout")`` documents each). ``num_processes=None`` means every
+    visible GPU, else 1. Settings not given here come from ``config``, else from the saved
+    default config (``nbaccel.configure()``/``nbaccel config``). ``max_restarts`` relaunches every rank after a rank fails, that many
     times at most. ``log_line_prefix_template`` labels the ranks' lines in text output (torch
     elastic's form: ``"[${rank}]: "``). The rendezvous is static (``rdzv_backend="c10d"`` is
     accepted on one machine, where local ranks meet the same way; ``rdzv_endpoint``,
