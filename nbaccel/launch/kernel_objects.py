@@ -9,6 +9,7 @@ empty: ``launch.plan`` names such containers before the launch, in one line.
 from __future__ import annotations
 
 import dis
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +37,8 @@ def kernel_containers_changed(function: Callable[..., Any]) -> list[str]:
     >>> kernel_containers_changed(lambda: sorted(results))
     []
     """
-    function = getattr(function, "func", function)  # functools.partial
+    while isinstance(function, functools.partial):  # as the plan names it: the wrapped function
+        function = function.func
     code = getattr(function, "__code__", None)
     if code is None:
         return []
