@@ -28,6 +28,16 @@ def kernel():
         yield k
 
 
+@pytest.fixture(autouse=True)
+def no_launch_left_for_the_next_test(kernel):
+    """A failing test stops the launches it left running: otherwise the next tests' checks
+    of what runs in the shared kernel would find its ranks and fail too."""
+    yield
+    kernel.execute(
+        "[v.stop() for v in list(globals().values()) if isinstance(v, nbaccel.Launch)]"
+    )
+
+
 def cell(code: str) -> str:
     return textwrap.dedent(code).strip()
 
@@ -79,11 +89,13 @@ def test_a_background_launch_trains_while_other_cells_run_then_returns_its_value
     """)
     )
     assert started.error is None, started.error_text
-    # It returned at once; its banner, printed from the launch's thread, may come first, but
-    # as a whole line of its own (print's separate newline once let the two meet mid-line).
+    # It returned at once, its banner (and the fork server it waits for) printed before:
+    # printed from the launch's thread, they split the cell's print ("Launch" + banner).
     lines = started.stdout.splitlines()
     assert "Launch False" in lines, started.stdout
-    assert all(line in ("Launch False", "") or line.startswith("nbaccel: ") for line in lines)
+    before = lines[: lines.index("Launch False")]
+    assert before[0].startswith("nbaccel: launching 2 processes"), started.stdout
+    assert all(line.startswith("nbaccel: ") for line in before), started.stdout
     launch_cell = kernel.last_msg_id
 
     # Three other cells while it trains: plain work, the Stop button (in a wait for the result:

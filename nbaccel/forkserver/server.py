@@ -376,6 +376,14 @@ class ForkServer:
         finally:
             self.starts.release()
 
+    def warming(self) -> str | None:
+        """What a server that nbaccel started is still importing, as the views say it
+        ("fork server: importing torch"); None once it is ready (or when none was started)."""
+        marker = self._ready_marker
+        if marker is None or not os.path.exists(marker):
+            return None
+        return f"fork server: importing {_importing(marker)}"
+
     def wait_until_ready(
         self, poll: float = 0.02, waiting: Callable[[str | None], None] = lambda what: None
     ) -> None:
@@ -395,7 +403,7 @@ class ForkServer:
                 break  # it died importing; starting a rank will start (and wait for) a new one
             if time.monotonic() - told >= mirror.TICK:
                 told = time.monotonic()
-                waiting(f"fork server: importing {_importing(marker)}")
+                waiting(self.warming())
             time.sleep(poll)
         _discard(marker)
         if self._ready_marker == marker:

@@ -144,6 +144,7 @@ class Launch(concurrent.futures.Future[Any]):
         self.lifecycle: RankLifecycle | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._first: RankLifecycle | None = None  # a background launch's, shown by start()
         self._error_traceback: TracebackType | None = None
 
     @property
@@ -186,6 +187,8 @@ class Launch(concurrent.futures.Future[Any]):
         """
         if self._thread is not None:
             raise RuntimeError("this launch was started already; make a new one to run again")
+        self._first = self._lifecycle()
+        self._first.show()  # here, before this cell's next line: see RankLifecycle.show
         context = contextvars.copy_context()
         self._thread = threading.Thread(
             target=context.run, args=(self._background,), name="nbaccel-launch", daemon=True
@@ -194,7 +197,9 @@ class Launch(concurrent.futures.Future[Any]):
         return self
 
     def _background(self) -> None:
-        if not self.set_running_or_notify_cancel():
+        if not self.set_running_or_notify_cancel():  # cancel() came first
+            if self._first is not None:
+                self._first.never_started()
             return
         try:
             value = self.run()
@@ -226,9 +231,8 @@ class Launch(concurrent.futures.Future[Any]):
     def _attempt(self) -> dict[int, bytes | None]:
         """Start the planned ranks and follow them to the end; return their payloads."""
         __tracebackhide__ = True
-        o = self.options
-        view = o.view if o.view is not None else choose_view(o.progress)
-        life = self.lifecycle = RankLifecycle(self.plan, view)
+        life, self._first = self._first or self._lifecycle(), None
+        self.lifecycle = life
         try:
             relay = life.start()
         except KeyboardInterrupt as exc:  # its message says what was stopped
@@ -239,6 +243,11 @@ class Launch(concurrent.futures.Future[Any]):
             # Every rank is stopped and reaped by now; the loop's frames would only be noise.
             n = len(self.plan.specs)
             raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
+
+    def _lifecycle(self) -> RankLifecycle:
+        """An attempt's ranks, with a fresh view."""
+        o = self.options
+        return RankLifecycle(self.plan, o.view if o.view is not None else choose_view(o.progress))
 
     def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""

@@ -2,7 +2,7 @@
 launch (``launch.launch``) and for a ``%ranks`` session (``persistent.session``) alike.
 
 The start: the view first (a cell must not stay blank while the fork server still imports
-torch), the fork server (refusing a restart that would stop other launches' ranks), the group's
+torch; :meth:`RankLifecycle.show`), the fork server (refusing a restart that would stop other launches' ranks), the group's
 ranks, their clocks (a wait for the server is no stall), and the relay watching their pipes.
 The teardown: what still runs is stopped (after a wait for the ranks to leave by themselves, if
 asked: SIGTERM, SIGKILL after a grace), every rank is reaped and what the ranks left running is
@@ -52,7 +52,7 @@ class RankLifecycle:
         if isinstance(self.group, RankGroup):
             self.group.waiting = self._waiting
         self.relay: Relay | None = None
-        self._ended = False
+        self._shown = self._ended = False
 
     def _waiting(self, what: str | None) -> None:
         """The start waits for ``what`` (None: no more): the view's header says so, and its
@@ -67,13 +67,35 @@ class RankLifecycle:
         state.waiting_for = what
         self.view.update()
 
+    def show(self) -> None:
+        """The view's first lines: the banner, and what the start will wait for first (a fork
+        server still importing). :meth:`start` shows them if this was not called; a background
+        launch calls it in the launching thread, so they come before that cell's next line
+        (printed from the launch's thread, they split a ``print`` of the cell mid-line)."""
+        if self._shown:
+            return
+        self._shown = True
+        self.view.start(self.state)
+        if self.plan.info.start_method == "forkserver":
+            warming = forkserver.SERVER.warming()
+            if warming is not None:
+                self._waiting(warming)
+
+    def never_started(self) -> None:
+        """End the view :meth:`show` began for a start that will not run (its background
+        launch was cancelled before its thread ran)."""
+        if self._shown and self.state.ended_at is None:
+            self.state.outcome = Outcome.INTERRUPTED
+            self.state.ended_at = time.monotonic()
+            self.view.finish()
+
     def start(self) -> Relay:
         """Start every rank and return the relay reading them. On any failure, Ctrl-C
         included, nothing of the start is left (:meth:`end`), the view ends with the outcome,
         and the error is raised."""
         __tracebackhide__ = True
         state, view = self.state, self.view
-        view.start(state)
+        self.show()
         try:
             if self.plan.info.start_method == "forkserver":
                 refuse_restart_under(self.plan.preload)
