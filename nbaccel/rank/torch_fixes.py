@@ -9,14 +9,26 @@ hangs in ``~ProcessGroupGloo`` (seen here in about 1 of 6 runs on torch 2.13).
 Ranks never need those destructors: they exit without interpreter teardown right after
 reporting. So, inside ranks only, ``destroy_process_group`` keeps a reference to the groups it
 destroys; their C++ objects then die with the process instead of in the user's frame.
+
+And keep a rank that is done from failing the others. ``init_process_group`` returns on one
+rank while another may still be connecting its gloo mesh to it (torch's barrier at the end of
+it is off by default); a function that returns at once then exits under the other, which fails
+("Connection closed by peer": 8 launches of 40 with 4 CPU ranks). So each rank counts its
+built group in the group's store (:func:`count_built_process_groups`) and, as it leaves, waits
+until every rank has built it, rank 0 (whose store the others use) until they have left
+(:func:`leave_together`): never for a rank still training.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import time
 from typing import Any
 
 _kept_alive: list[Any] = []
+# Each default group this rank built, in order (ranks build them in step): store, rank, size
+_built_in: list[tuple[Any, int, int]] = []
 
 
 def keep_destroyed_process_groups_alive() -> None:
@@ -44,3 +56,66 @@ def keep_destroyed_process_groups_alive() -> None:
     destroy_process_group.__nbaccel_keeps_groups__ = True
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
+
+
+def count_built_process_groups() -> None:
+    """Patch ``torch.distributed.init_process_group`` in this process (idempotent): once the
+    default group is built, count this rank in its store, for :func:`leave_together`."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if not dist.is_available():
+        return
+    c10d = dist.distributed_c10d
+    original = c10d.init_process_group
+    if getattr(original, "__nbaccel_counts_groups__", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        try:
+            store = c10d._get_default_store()
+            _built_in.append((store, dist.get_rank(), dist.get_world_size()))
+            store.add(_key("built", len(_built_in)), 1)
+        except Exception:  # noqa: BLE001 - no store (MPI), or a peer gone: nothing to count
+            pass
+
+    init_process_group.__nbaccel_counts_groups__ = True
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+
+def leave_together(poll: float = 0.005) -> None:
+    """As this rank leaves: wait until every rank has built the last default group this one
+    built, so none is still connecting to it; then count out, and rank 0, which serves the
+    store in a notebook launch, leaves only once the others have (their last use of it).
+
+    It never waits for a rank that is still training, only for one still inside
+    ``init_process_group``; ranks that fail there are stopped by the launcher, and an error of
+    the store ends the wait.
+    """
+    if not _built_in:
+        return
+    store, rank, world_size = _built_in[-1]
+    ordinal = len(_built_in)
+    try:
+        _poll_until(store, _key("built", ordinal), world_size, poll)
+        if rank == 0:
+            _poll_until(store, _key("left", ordinal), world_size - 1, poll)
+        else:
+            store.add(_key("left", ordinal), 1)
+    except Exception:  # noqa: BLE001 - a store gone (its host ended): nothing left to wait for
+        return
+
+
+def _poll_until(store: Any, key: str, count: int, poll: float) -> None:
+    while store.add(key, 0) < count:
+        time.sleep(poll)
+
+
+def _key(counter: str, ordinal: int) -> str:
+    """The store key counting the ranks that ``counter`` ("built", "left") their
+    ``ordinal``-th default group (per attempt: torch elastic's store outlives a restart)."""
+    return f"nbaccel/{counter}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{ordinal}"
