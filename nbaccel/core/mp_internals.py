@@ -5,7 +5,7 @@ by it, an unanswered start sets it aside), restart it with other preloaded modul
 child forget the server it came from. Both sides need some of that; keeping it here means a
 CPython change breaks one small file. The private names used: ``forkserver._forkserver`` and
 its ``_forkserver_pid``, ``_forkserver_alive_fd``, ``_forkserver_address``, ``_lock``,
-``_stop()``, and ``resource_tracker._resource_tracker._pid``.
+``_stop()``, and ``resource_tracker._resource_tracker``'s ``_pid``, ``_fd`` and ``_lock``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -28,6 +29,30 @@ def resource_tracker_pid() -> int | None:
     from multiprocessing import resource_tracker
 
     return getattr(resource_tracker._resource_tracker, "_pid", None)
+
+
+def let_resource_tracker_go() -> None:
+    """Close this process's end of the resource tracker's pipe without waiting for it, and
+    reap it in a thread once it exits: it does when every process holding the pipe (fork
+    servers, ranks) has ended. For a process about to end: a later need of the tracker would
+    start another."""
+    from multiprocessing import resource_tracker
+
+    tracker: Any = resource_tracker._resource_tracker
+    with tracker._lock:
+        fd, pid = tracker._fd, tracker._pid
+        if fd is None:
+            return
+        tracker._fd = tracker._pid = None
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    if pid is not None:
+        threading.Thread(target=_reap, args=(pid,), name="nbaccel-reap", daemon=True).start()
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
 
 
 def start_forkserver(preload: list[str], restart: bool, env: dict[str, str] | None = None) -> bool:
