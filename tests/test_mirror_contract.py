@@ -4,10 +4,13 @@ modules; checked through the server (a rank forked from it), not by timing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
 import re
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,18 +28,19 @@ def value(kernel: KernelSession, code: str, timeout: float = 240):
     return eval(cell.results[-1]["text/plain"])
 
 
-def user_site_kernel(tmp_path, env=None) -> tuple[KernelSession, object]:
+@contextlib.contextmanager
+def user_site_kernel(tmp_path, env=None) -> Iterator[tuple[KernelSession, pathlib.Path]]:
     """A kernel whose user site folder (a site-packages folder: mirrored) is under tmp_path."""
     home = tmp_path / "userbase"
-    kernel = KernelSession(
+    with KernelSession(
         env={"NBACCEL_VIEW": "text", "PYTHONUSERBASE": str(home), **(env or {})},
         startup="import site, sys, time, importlib\n0",
-    ).__enter__()
-    user_site = value(kernel, "site.getusersitepackages()")
-    folder = home / user_site[len(str(home)) + 1 :]
-    folder.mkdir(parents=True)
-    value(kernel, f"sys.path.append({user_site!r})\n0")
-    return kernel, folder
+    ) as kernel:
+        user_site = value(kernel, "site.getusersitepackages()")
+        folder = home / user_site[len(str(home)) + 1 :]
+        folder.mkdir(parents=True)
+        value(kernel, f"sys.path.append({user_site!r})\n0")
+        yield kernel, folder
 
 
 def _generate(folder) -> list[str]:
@@ -53,8 +57,7 @@ def _generate(folder) -> list[str]:
 
 
 def test_a_kernel_that_imported_3000_modules_finds_them_all_in_the_server_after_idling(tmp_path):
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
+    with user_site_kernel(tmp_path) as (kernel, folder):
         names = _generate(folder)
         half = len(names) // 2
         began = time.monotonic()
@@ -98,8 +101,8 @@ def test_a_kernel_that_imported_3000_modules_finds_them_all_in_the_server_after_
 def test_an_import_that_hangs_in_the_server_is_given_up_and_named_once(tmp_path):
     # A package that waits, in a fresh interpreter, for something only the kernel had set up.
     # Launches, even unrelated ones, once all waited ~120 s for it, and again after a Stop.
-    kernel, folder = user_site_kernel(tmp_path, env={"NBACCEL_MIRROR_IMPORT_DEADLINE": "3"})
-    with kernel:
+    deadline = {"NBACCEL_MIRROR_IMPORT_DEADLINE": "3"}
+    with user_site_kernel(tmp_path, env=deadline) as (kernel, folder):
         (folder / "hangs_in_server.py").write_text(
             "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(3600)\n"
             "VALUE = 5\n"
@@ -138,8 +141,7 @@ def test_what_the_server_prints_goes_to_a_bounded_log_never_into_a_cell(tmp_path
     # ipykernel forwards what its process's file descriptors get (the server inherits them) to
     # the cells, as in a notebook, except under pytest: the kernel must not know it is one.
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
+    with user_site_kernel(tmp_path) as (kernel, folder):
         (folder / "prints_in_server.py").write_text(NOISY)
         value(kernel, "import nbaccel, nbaccel.forkserver.server as _fs\n0")
         cells = [kernel.execute("import prints_in_server\n0")]
@@ -163,8 +165,7 @@ def test_what_the_server_prints_goes_to_a_bounded_log_never_into_a_cell(tmp_path
 
 
 def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_path):
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
+    with user_site_kernel(tmp_path) as (kernel, folder):
         module = folder / "edited_pkg.py"
         module.write_text("VALUE = 1\n")
         value(kernel, "import edited_pkg, nbaccel, nbaccel.forkserver.server as _fs\n0")
@@ -180,8 +181,7 @@ def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_pa
 def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(tmp_path):
     # The view drew once and then nothing for seconds while the server imported torch and
     # the function's packages; now it is told what is waited for, and updated meanwhile.
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
+    with user_site_kernel(tmp_path) as (kernel, folder):
         (folder / "slow_pkg.py").write_text(
             "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(2)\n"
         )
