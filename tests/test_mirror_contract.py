@@ -5,6 +5,7 @@ modules; checked through the server (a rank forked from it), not by timing."""
 from __future__ import annotations
 
 import contextlib
+import html
 import os
 import pathlib
 import re
@@ -29,12 +30,16 @@ def value(kernel: KernelSession, code: str, timeout: float = 240):
 
 
 @contextlib.contextmanager
-def user_site_kernel(tmp_path, env=None) -> Iterator[tuple[KernelSession, pathlib.Path]]:
-    """A kernel whose user site folder (a site-packages folder: mirrored) is under tmp_path."""
+def user_site_kernel(
+    tmp_path, env=None, background_shutdown: bool = False
+) -> Iterator[tuple[KernelSession, pathlib.Path]]:
+    """A kernel whose user site folder (a site-packages folder: mirrored) is under tmp_path;
+    ``background_shutdown`` as :class:`KernelSession`'s."""
     home = tmp_path / "userbase"
     with KernelSession(
         env={"NBACCEL_VIEW": "text", "PYTHONUSERBASE": str(home), **(env or {})},
         startup="import site, sys, time, importlib\n0",
+        background_shutdown=background_shutdown,
     ) as kernel:
         user_site = value(kernel, "site.getusersitepackages()")
         folder = home / user_site[len(str(home)) + 1 :]
@@ -178,35 +183,126 @@ def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_pa
         assert value(kernel, "_fs.SERVER.mirror.answers['edited_pkg']['ok']")
 
 
-def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(tmp_path):
-    # The view drew once and then nothing for seconds while the server imported torch and
-    # the function's packages; now it is told what is waited for, and updated meanwhile.
-    with user_site_kernel(tmp_path) as (kernel, folder):
-        (folder / "slow_pkg.py").write_text(
-            "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(2)\n"
-        )
-        spy = """
-        import nbaccel.ui.text as _text
-        _heard = []
-        _update = _text.TextView.update
-        def _spy(self):
-            _heard.append((self._state.waiting_for, self._state.waiting_since is not None))
-            return _update(self)
-        _text.TextView.update = _spy
+SLOW_IN_SERVER = (
+    "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(2)\n"
+)
+FOR_FUNCTION = re.compile(r"importing slow_pkg for your function \(\d+ of \d+ modules\)")
+WAITED = re.compile(r"(.*) \((\d+(?:\.\d+)?) s\)")  # waiting_text: what, then its seconds
+
+
+@contextlib.contextmanager
+def first_launch_while_warming(tmp_path, view: str, before: str = "0") -> Iterator[KernelSession]:
+    """A kernel showing ``view`` whose first launch (of ``f``, which imports a package the
+    server takes 2 s to import) runs at once after ``import nbaccel``: while the server warms
+    (torch, then torch._dynamo), then holds for the function's package."""
+    env = {"NBACCEL_VIEW": view}
+    with user_site_kernel(tmp_path, env, background_shutdown=True) as (kernel, folder):
+        (folder / "slow_pkg.py").write_text(SLOW_IN_SERVER)
+        define = """
         def f():
-            import slow_pkg
+            import slow_pkg, time
+            time.sleep(0.5)  # the ranks run for a moment: the view shows them running
             return 3
         0
         """
-        value(kernel, spy)
+        value(kernel, define)
+        value(kernel, before)
         value(kernel, "import slow_pkg, nbaccel\n0")  # the server starts warming now
-        assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=1)") == 3
+        yield kernel
+
+
+def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(tmp_path):
+    # The view drew once and then nothing for seconds while the server imported torch and
+    # the function's packages; now it is told what is waited for, and updated meanwhile.
+    spy = """
+    import nbaccel.ui.text as _text
+    _heard = []
+    _update = _text.TextView.update
+    def _spy(self):
+        _heard.append((self._state.waiting_for, self._state.waiting_since is not None))
+        return _update(self)
+    _text.TextView.update = _spy
+    0
+    """
+    with first_launch_while_warming(tmp_path, "text", before=spy) as kernel:
+        cell = kernel.execute("nbaccel.notebook_launcher(f, num_processes=1)")
+        assert cell.error is None, cell.error_text
+        assert eval(cell.results[-1]["text/plain"]) == 3
         heard = value(kernel, "_heard")
         waits = [w for w, _ in heard if w is not None]
         assert any(w.startswith("fork server: importing torch") for w in waits), heard
-        for_function = re.compile(r"importing slow_pkg for your function \(\d+ of \d+ modules\)")
-        assert any(for_function.fullmatch(w) for w in waits), set(heard)
+        assert any(FOR_FUNCTION.fullmatch(w) for w in waits), set(heard)
         assert len(waits) >= 5  # about every 0.2 s, over ~2 s at least
         assert all(since for w, since in heard if w is not None)
         last = max(i for i, (w, _) in enumerate(heard) if w is not None)
         assert heard[last + 1 :] and all(w is None for w, _ in heard[last + 1 :])  # cleared
+        # What the cell shows: a line per change of what is waited for (or a doubled wait),
+        # each with its seconds, printed as the wait goes on, not at its end.
+        printed = [
+            (m["received_at"], line[len("nbaccel: waiting for ") :])
+            for m in cell.of_type("stream")
+            for line in m["content"]["text"].splitlines()
+            if line.startswith("nbaccel: waiting for ")
+        ]
+        said = [WAITED.fullmatch(text) for _, text in printed]
+        assert len(printed) >= 2 and all(said), cell.stdout
+        assert said[0][1].startswith("fork server: importing torch"), cell.stdout
+        assert FOR_FUNCTION.fullmatch(said[-1][1]), cell.stdout
+        seconds = [float(m[2]) for m in said]
+        assert seconds == sorted(seconds) and seconds[-1] - seconds[0] >= 1.5, cell.stdout
+        assert printed[-1][0] - printed[0][0] >= (seconds[-1] - seconds[0]) / 2  # as it waited
+
+
+def header_frames(cell) -> list[tuple[float, str, str, str]]:
+    """Each state of the dashboard's header as the frontend received it, in order: (arrival,
+    outcome, elapsed, what it waits for with its seconds or ""), read from the comm_open and
+    comm_msg updates of the widget whose value holds the header."""
+    frames = []
+    for m in cell.of_type("comm_open", "comm_msg"):
+        data = m["content"]["data"]
+        if m["msg_type"] == "comm_msg" and data.get("method") != "update":
+            continue
+        markup = str(data.get("state", {}).get("value", ""))
+        header = re.search(r"<div class='nbaccel-header' data-outcome='([^']*)'.*?</div>", markup)
+        if header is None:
+            continue
+        elapsed = re.search(r"elapsed <b>([^<]*)</b>", header[0])
+        waiting = re.search(r"<span class='nbaccel-waiting'>waiting for (.*?)</span>", header[0])
+        frames.append(
+            (
+                m["received_at"],
+                header[1],
+                elapsed[1] if elapsed else "",
+                html.unescape(waiting[1]) if waiting else "",
+            )
+        )
+    return frames
+
+
+def test_the_dashboard_header_ticks_and_says_what_the_first_launch_waits_for(tmp_path):
+    # The dashboard drew "running · elapsed 0.0 s" and then nothing for 2.5-7 s while the
+    # server warmed. Read as the frontend gets it: the header widget's states on iopub.
+    with first_launch_while_warming(tmp_path, "widgets") as kernel:
+        cell = kernel.execute("nbaccel.notebook_launcher(f, num_processes=1)")
+        assert cell.error is None, cell.error_text
+        assert eval(cell.results[-1]["text/plain"]) == 3
+        frames = header_frames(cell)
+        shown = "\n".join(map(str, frames))
+        # From the first frame, it says it waits (not "running") and for what.
+        assert frames[0][1] == "waiting", shown
+        assert frames[0][3].startswith("fork server: importing torch"), shown
+        waits = [f for f in frames if f[3]]
+        said = [WAITED.fullmatch(f[3]) for f in waits]
+        assert all(said), shown
+        assert all(f[1] == "waiting" for f in waits), shown
+        assert any(FOR_FUNCTION.fullmatch(m[1]) for m in said), shown
+        # The clocks tick while it waits (about every 0.2 s over the 2 s hold, at least), in
+        # updates that reach the frontend as the wait goes on, not at its end.
+        seconds = [float(m[2]) for m in said]
+        assert seconds == sorted(seconds) and len(set(seconds)) >= 5, shown  # its own clock
+        assert seconds[-1] - seconds[0] >= 1.5 and len({f[2] for f in waits}) >= 5, shown
+        assert waits[-1][0] - waits[0][0] >= (seconds[-1] - seconds[0]) / 2, shown
+        # Once the ranks run, no more waiting: running, then finished.
+        after = frames[frames.index(waits[-1]) + 1 :]
+        assert after and not any(f[3] for f in after), shown
+        assert "running" in [f[1] for f in after] and after[-1][1] == "finished", shown
