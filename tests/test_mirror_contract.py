@@ -236,8 +236,9 @@ def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(t
         assert all(since for w, since in heard if w is not None)
         last = max(i for i, (w, _) in enumerate(heard) if w is not None)
         assert heard[last + 1 :] and all(w is None for w, _ in heard[last + 1 :])  # cleared
-        # What the cell shows: a line per change of what is waited for (or a doubled wait),
-        # each with its seconds, printed as the wait goes on, not at its end.
+        # What the cell shows: a line when what is waited for changes (at most every 2 s) or
+        # the wait has doubled, each with its seconds, printed as the wait goes on, not at its
+        # end. (Which wait the later lines name depends on the server's pace: not asserted.)
         printed = [
             (m["received_at"], line[len("nbaccel: waiting for ") :])
             for m in cell.of_type("stream")
@@ -247,7 +248,8 @@ def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(t
         said = [WAITED.fullmatch(text) for _, text in printed]
         assert len(printed) >= 2 and all(said), cell.stdout
         assert said[0][1].startswith("fork server: importing torch"), cell.stdout
-        assert FOR_FUNCTION.fullmatch(said[-1][1]), cell.stdout
+        for m in said:
+            assert m[1].startswith("fork server: importing ") or FOR_FUNCTION.fullmatch(m[1])
         seconds = [float(m[2]) for m in said]
         assert seconds == sorted(seconds) and seconds[-1] - seconds[0] >= 1.5, cell.stdout
         assert printed[-1][0] - printed[0][0] >= (seconds[-1] - seconds[0]) / 2  # as it waited
