@@ -4,10 +4,14 @@ modules; checked through the server (a rank forked from it), not by timing."""
 
 from __future__ import annotations
 
+import contextlib
+import html
 import os
+import pathlib
 import re
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,18 +29,23 @@ def value(kernel: KernelSession, code: str, timeout: float = 240):
     return eval(cell.results[-1]["text/plain"])
 
 
-def user_site_kernel(tmp_path, env=None) -> tuple[KernelSession, object]:
-    """A kernel whose user site folder (a site-packages folder: mirrored) is under tmp_path."""
+@contextlib.contextmanager
+def user_site_kernel(
+    tmp_path, env=None, background_shutdown: bool = False
+) -> Iterator[tuple[KernelSession, pathlib.Path]]:
+    """A kernel whose user site folder (a site-packages folder: mirrored) is under tmp_path;
+    ``background_shutdown`` as :class:`KernelSession`'s."""
     home = tmp_path / "userbase"
-    kernel = KernelSession(
+    with KernelSession(
         env={"NBACCEL_VIEW": "text", "PYTHONUSERBASE": str(home), **(env or {})},
         startup="import site, sys, time, importlib\n0",
-    ).__enter__()
-    user_site = value(kernel, "site.getusersitepackages()")
-    folder = home / user_site[len(str(home)) + 1 :]
-    folder.mkdir(parents=True)
-    value(kernel, f"sys.path.append({user_site!r})\n0")
-    return kernel, folder
+        background_shutdown=background_shutdown,
+    ) as kernel:
+        user_site = value(kernel, "site.getusersitepackages()")
+        folder = home / user_site[len(str(home)) + 1 :]
+        folder.mkdir(parents=True)
+        value(kernel, f"sys.path.append({user_site!r})\n0")
+        yield kernel, folder
 
 
 def _generate(folder) -> list[str]:
@@ -53,8 +62,7 @@ def _generate(folder) -> list[str]:
 
 
 def test_a_kernel_that_imported_3000_modules_finds_them_all_in_the_server_after_idling(tmp_path):
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
+    with user_site_kernel(tmp_path) as (kernel, folder):
         names = _generate(folder)
         half = len(names) // 2
         began = time.monotonic()
@@ -98,8 +106,8 @@ def test_a_kernel_that_imported_3000_modules_finds_them_all_in_the_server_after_
 def test_an_import_that_hangs_in_the_server_is_given_up_and_named_once(tmp_path):
     # A package that waits, in a fresh interpreter, for something only the kernel had set up.
     # Launches, even unrelated ones, once all waited ~120 s for it, and again after a Stop.
-    kernel, folder = user_site_kernel(tmp_path, env={"NBACCEL_MIRROR_IMPORT_DEADLINE": "3"})
-    with kernel:
+    deadline = {"NBACCEL_MIRROR_IMPORT_DEADLINE": "3"}
+    with user_site_kernel(tmp_path, env=deadline) as (kernel, folder):
         (folder / "hangs_in_server.py").write_text(
             "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(3600)\n"
             "VALUE = 5\n"
@@ -138,8 +146,7 @@ def test_what_the_server_prints_goes_to_a_bounded_log_never_into_a_cell(tmp_path
     # ipykernel forwards what its process's file descriptors get (the server inherits them) to
     # the cells, as in a notebook, except under pytest: the kernel must not know it is one.
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
+    with user_site_kernel(tmp_path) as (kernel, folder):
         (folder / "prints_in_server.py").write_text(NOISY)
         value(kernel, "import nbaccel, nbaccel.forkserver.server as _fs\n0")
         cells = [kernel.execute("import prints_in_server\n0")]
@@ -163,8 +170,7 @@ def test_what_the_server_prints_goes_to_a_bounded_log_never_into_a_cell(tmp_path
 
 
 def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_path):
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
+    with user_site_kernel(tmp_path) as (kernel, folder):
         module = folder / "edited_pkg.py"
         module.write_text("VALUE = 1\n")
         value(kernel, "import edited_pkg, nbaccel, nbaccel.forkserver.server as _fs\n0")
@@ -177,36 +183,128 @@ def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_pa
         assert value(kernel, "_fs.SERVER.mirror.answers['edited_pkg']['ok']")
 
 
-def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(tmp_path):
-    # The view drew once and then nothing for seconds while the server imported torch and
-    # the function's packages; now it is told what is waited for, and updated meanwhile.
-    kernel, folder = user_site_kernel(tmp_path)
-    with kernel:
-        (folder / "slow_pkg.py").write_text(
-            "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(2)\n"
-        )
-        spy = """
-        import nbaccel.ui.text as _text
-        _heard = []
-        _update = _text.TextView.update
-        def _spy(self):
-            _heard.append((self._state.waiting_for, self._state.waiting_since is not None))
-            return _update(self)
-        _text.TextView.update = _spy
+SLOW_IN_SERVER = (
+    "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(2)\n"
+)
+FOR_FUNCTION = re.compile(r"importing slow_pkg for your function \(\d+ of \d+ modules\)")
+WAITED = re.compile(r"(.*) \((\d+(?:\.\d+)?) s\)")  # waiting_text: what, then its seconds
+
+
+@contextlib.contextmanager
+def first_launch_while_warming(tmp_path, view: str, before: str = "0") -> Iterator[KernelSession]:
+    """A kernel showing ``view`` whose first launch (of ``f``, which imports a package the
+    server takes 2 s to import) runs at once after ``import nbaccel``: while the server warms
+    (torch, then torch._dynamo), then holds for the function's package."""
+    env = {"NBACCEL_VIEW": view}
+    with user_site_kernel(tmp_path, env, background_shutdown=True) as (kernel, folder):
+        (folder / "slow_pkg.py").write_text(SLOW_IN_SERVER)
+        define = """
         def f():
-            import slow_pkg
+            import slow_pkg, time
+            time.sleep(0.5)  # the ranks run for a moment: the view shows them running
             return 3
         0
         """
-        value(kernel, spy)
+        value(kernel, define)
+        value(kernel, before)
         value(kernel, "import slow_pkg, nbaccel\n0")  # the server starts warming now
-        assert value(kernel, "nbaccel.notebook_launcher(f, num_processes=1)") == 3
+        yield kernel
+
+
+def test_the_view_hears_what_the_first_launch_waits_for_while_the_server_warms(tmp_path):
+    # The view drew once and then nothing for seconds while the server imported torch and
+    # the function's packages; now it is told what is waited for, and updated meanwhile.
+    spy = """
+    import nbaccel.ui.text as _text
+    _heard = []
+    _update = _text.TextView.update
+    def _spy(self):
+        _heard.append((self._state.waiting_for, self._state.waiting_since is not None))
+        return _update(self)
+    _text.TextView.update = _spy
+    0
+    """
+    with first_launch_while_warming(tmp_path, "text", before=spy) as kernel:
+        cell = kernel.execute("nbaccel.notebook_launcher(f, num_processes=1)")
+        assert cell.error is None, cell.error_text
+        assert eval(cell.results[-1]["text/plain"]) == 3
         heard = value(kernel, "_heard")
         waits = [w for w, _ in heard if w is not None]
         assert any(w.startswith("fork server: importing torch") for w in waits), heard
-        for_function = re.compile(r"importing slow_pkg for your function \(\d+ of \d+ modules\)")
-        assert any(for_function.fullmatch(w) for w in waits), set(heard)
+        assert any(FOR_FUNCTION.fullmatch(w) for w in waits), set(heard)
         assert len(waits) >= 5  # about every 0.2 s, over ~2 s at least
         assert all(since for w, since in heard if w is not None)
         last = max(i for i, (w, _) in enumerate(heard) if w is not None)
         assert heard[last + 1 :] and all(w is None for w, _ in heard[last + 1 :])  # cleared
+        # What the cell shows: a line when what is waited for changes (at most every 2 s) or
+        # the wait has doubled, each with its seconds, printed as the wait goes on, not at its
+        # end. (Which wait the later lines name depends on the server's pace: not asserted.)
+        printed = [
+            (m["received_at"], line[len("nbaccel: waiting for ") :])
+            for m in cell.of_type("stream")
+            for line in m["content"]["text"].splitlines()
+            if line.startswith("nbaccel: waiting for ")
+        ]
+        said = [WAITED.fullmatch(text) for _, text in printed]
+        assert len(printed) >= 2 and all(said), cell.stdout
+        assert said[0][1].startswith("fork server: importing torch"), cell.stdout
+        for m in said:
+            assert m[1].startswith("fork server: importing ") or FOR_FUNCTION.fullmatch(m[1])
+        seconds = [float(m[2]) for m in said]
+        assert seconds == sorted(seconds) and seconds[-1] - seconds[0] >= 1.5, cell.stdout
+        assert printed[-1][0] - printed[0][0] >= (seconds[-1] - seconds[0]) / 2  # as it waited
+
+
+def header_frames(cell) -> list[tuple[float, str, str, str]]:
+    """Each state of the dashboard's header as the frontend received it, in order: (arrival,
+    outcome, elapsed, what it waits for with its seconds or ""), read from the comm_open and
+    comm_msg updates of the widget whose value holds the header."""
+    frames = []
+    for m in cell.of_type("comm_open", "comm_msg"):
+        data = m["content"]["data"]
+        if m["msg_type"] == "comm_msg" and data.get("method") != "update":
+            continue
+        markup = str(data.get("state", {}).get("value", ""))
+        header = re.search(r"<div class='nbaccel-header' data-outcome='([^']*)'.*?</div>", markup)
+        if header is None:
+            continue
+        elapsed = re.search(r"elapsed <b>([^<]*)</b>", header[0])
+        waiting = re.search(r"<span class='nbaccel-waiting'>waiting for (.*?)</span>", header[0])
+        frames.append(
+            (
+                m["received_at"],
+                header[1],
+                elapsed[1] if elapsed else "",
+                html.unescape(waiting[1]) if waiting else "",
+            )
+        )
+    return frames
+
+
+def test_the_dashboard_header_ticks_and_says_what_the_first_launch_waits_for(tmp_path):
+    # The dashboard drew "running · elapsed 0.0 s" and then nothing for 2.5-7 s while the
+    # server warmed. Read as the frontend gets it: the header widget's states on iopub.
+    with first_launch_while_warming(tmp_path, "widgets") as kernel:
+        cell = kernel.execute("nbaccel.notebook_launcher(f, num_processes=1)")
+        assert cell.error is None, cell.error_text
+        assert eval(cell.results[-1]["text/plain"]) == 3
+        frames = header_frames(cell)
+        shown = "\n".join(map(str, frames))
+        # From the first frame, it says it waits (not "running") and for what.
+        assert frames[0][1] == "waiting", shown
+        assert frames[0][3].startswith("fork server: importing torch"), shown
+        waits = [f for f in frames if f[3]]
+        said = [WAITED.fullmatch(f[3]) for f in waits]
+        assert all(said), shown
+        assert all(f[1] == "waiting" for f in waits), shown
+        assert any(FOR_FUNCTION.fullmatch(m[1]) for m in said), shown
+        # The clocks tick while it waits (about every 0.2 s over the 2 s hold, at least), in
+        # updates that reach the frontend as the wait goes on, not at its end.
+        seconds = [float(m[2]) for m in said]
+        assert seconds == sorted(seconds) and len(set(seconds)) >= 5, shown  # its own clock
+        assert seconds[-1] - seconds[0] >= 1.5 and len({f[2] for f in waits}) >= 5, shown
+        assert waits[-1][0] - waits[0][0] >= (seconds[-1] - seconds[0]) / 2, shown
+        # Once the ranks run, no more waiting: running, then finished.
+        after = frames[frames.index(waits[-1]) + 1 :]
+        assert after and not any(f[3] for f in after), shown
+        assert "running" in [f[1] for f in after] and after[-1][1] == "finished", shown

@@ -65,7 +65,8 @@ class RankLifecycle:
         if what is None and state.waiting_for is None:
             return
         state.waiting_for = what
-        self.view.update()
+        if self._shown:  # (before the view's first frame, that frame says it)
+            self.view.update()
 
     def show(self) -> None:
         """The view's first lines: the banner, and what the start will wait for first (a fork
@@ -74,12 +75,14 @@ class RankLifecycle:
         (printed from the launch's thread, they split a ``print`` of the cell mid-line)."""
         if self._shown:
             return
-        self._shown = True
-        self.view.start(self.state)
         if self.plan.info.start_method == "forkserver":
             warming = forkserver.SERVER.warming()
-            if warming is not None:
-                self._waiting(warming)
+            if warming is not None:  # known before the first frame: it says "waiting", and
+                self._waiting(warming)  # for what, not "running" while no rank runs yet
+        self._shown = True
+        self.view.start(self.state)
+        if self.state.waiting_for is not None:
+            self.view.update()  # the text view prints what it waits for at once
 
     def never_started(self) -> None:
         """End the view :meth:`show` began for a start that will not run (its background
