@@ -218,7 +218,7 @@ class Mirror:
             return f"fork server: finishing its import of {under}"
         name = under or next((n for n in first if n in self.pending), "")
         return (
-            f"importing {name.partition('.')[0]} for your function "
+            f"fork server: importing {name.partition('.')[0]} for your function "
             f"({min(done + 1, len(first))} of {len(first)} modules)"
         )
 
