@@ -213,9 +213,10 @@ def test_tqdm_bars_become_whole_labelled_lines(tmp_path):
 
 
 @pytest.mark.slow
-def test_twenty_restarts_in_a_row(tmp_path):
+def test_eight_restarts_in_a_row(tmp_path):
     """Each attempt's group forms afresh: elastic's one store for every attempt gave the next
-    group the last one's gloo addresses (Connection refused) or barrier counts (a hang)."""
+    group the last one's gloo addresses (Connection refused) or barrier counts (a hang), from
+    the first restart on; eight (each starts both ranks afresh, ~1.5 s) show no drift."""
     script = tmp_path / "flaky.py"
     script.write_text(
         textwrap.dedent(
@@ -226,15 +227,15 @@ def test_twenty_restarts_in_a_row(tmp_path):
             dist.init_process_group("gloo")
             t = torch.ones(1)
             dist.all_reduce(t)  # the mesh of this attempt works
-            if attempt < 20 and dist.get_rank() == attempt % 2:
+            if attempt < 8 and dist.get_rank() == attempt % 2:
                 raise SystemExit(f"fails on attempt {attempt}")
             print(f"attempt {attempt} sum {t.item():g}")
             """
         )
     )
     # torchrun's flag names, as a torchrun command line would give them
-    args = ("--nproc-per-node", "2", "--max-restarts", "20", str(script))
+    args = ("--nproc-per-node", "2", "--max-restarts", "8", str(script))
     result = run_cli("launch", *args, cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "[rank0] attempt 20 sum 2" in result.stdout.splitlines()
+    assert "[rank0] attempt 8 sum 2" in result.stdout.splitlines()
     assert not processes_mentioning(str(script))
