@@ -24,7 +24,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:, in (?P<name>.+))?$')
+# A traceback's frame line; faulthandler's stack dumps write it without the comma before "in"
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<name>.+))?$')
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTEXT = 2  # source lines shown before and after each frame's line
 _MAGIC_CALL = (
@@ -69,6 +70,8 @@ def with_cell_names(text: str, label_for: Callable[[str], str | None] | None = N
 
     >>> with_cell_names('  File "/tmp/x.py", line 3, in f', {"/tmp/x.py": "Cell In[7]"}.get)
     '  Cell In[7], line 3, in f'
+    >>> with_cell_names('  File "<rank cell 2>", line 4 in g', {"<rank cell 2>": "Cell In[9]"}.get)
+    '  Cell In[9], line 4, in g'
     """
     label_for = label_for or cell_label
     lines = text.split("\n")

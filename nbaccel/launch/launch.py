@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from nbaccel.core import mp_internals, shared_tensors
+from nbaccel.core.local_traceback import with_cell_names
 from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.errors import (
@@ -107,8 +108,8 @@ class RunJob:
         if self.relay.failures:  # the failure ends the launch; it is what to report
             return
         alive = self.group.alive()
-        stacks = {
-            k: root_cause.without_plumbing(v, self.entry_file)
+        stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
+            k: with_cell_names(root_cause.without_plumbing(v, self.entry_file))
             for k, v in self.relay.stacks_now(alive).items()
         }
         self.state.outcome = Outcome.TIMED_OUT

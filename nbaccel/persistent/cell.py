@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.core.local_traceback import name_cell
+from nbaccel.core.local_traceback import name_cell, with_cell_names
 from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
@@ -344,7 +344,8 @@ def cell_stack(dump: str) -> str:
     main = next((b for b in blocks if b.startswith("Current thread")), dump.strip())
     plumbing = ("nbaccel/persistent/serve.py", "nbaccel/rank/entry.py")
     lines = root_cause.without_plumbing(main).splitlines()
-    return "\n".join(ln for ln in lines if not any(p in ln for p in plumbing))
+    kept = "\n".join(ln for ln in lines if not any(p in ln for p in plumbing))
+    return with_cell_names(kept)  # "Cell In[12], line 2, in <module>", as the traceback says
 
 
 def crash_stack(diag: str) -> str:
