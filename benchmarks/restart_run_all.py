@@ -88,7 +88,11 @@ DATA_CELL = {
     ),
 }
 # The same in both notebooks. Threads are pinned as benchmarks.workload pins them, so that only
-# the launchers differ; the record proves the ranks trained.
+# the launchers differ; the record proves the ranks trained. No destroy_process_group() at the
+# end: with it, the function's return freed DDP's reducer, which held the last reference to the
+# gloo group, whose destructor joined gloo's thread while holding the GIL that thread waited for
+# (torch 2.13; a rank under Accelerate hung so, forever, 1 run in ~10). Both launchers end their
+# ranks without tearing the group down.
 FUNCTION_CELL = (
     "def training_function(out_dir, steps):\n"
     "    import json, os, time\n"
@@ -109,7 +113,6 @@ FUNCTION_CELL = (
     "        first_step = first_step or time.time()\n"
     "    with open(os.path.join(out_dir, f'rank{dist.get_rank()}.json'), 'w') as f:\n"
     "        json.dump({'first_step': first_step, 'loss': loss.item()}, f)\n"
-    "    dist.destroy_process_group()\n"
 )
 LAUNCH_CELL = {
     "nbaccel": "nbaccel.notebook_launcher(training_function, args=({args}), num_processes={world})",
