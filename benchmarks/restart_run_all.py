@@ -92,7 +92,7 @@ DATA_CELL = {
 # end: with it, the function's return freed DDP's reducer, which held the last reference to the
 # gloo group, whose destructor joined gloo's thread while holding the GIL that thread waited for
 # (torch 2.13; a rank under Accelerate hung so, forever, 1 run in ~10). Both launchers end their
-# ranks without tearing the group down.
+# ranks without it (as benchmarks.workload does under fork-based launchers).
 FUNCTION_CELL = (
     "def training_function(out_dir, steps):\n"
     "    import json, os, time\n"
