@@ -91,7 +91,7 @@ DATA_CELL = {
 # the launchers differ; the record proves the ranks trained. No destroy_process_group() at the
 # end: with it, the function's return freed DDP's reducer, which held the last reference to the
 # gloo group, whose destructor joined gloo's thread while holding the GIL that thread waited for
-# (torch 2.13; a rank under Accelerate hung so, forever, 1 run in ~10). Both launchers end their
+# (torch 2.13; an Accelerate rank of the hf notebook hung so, forever, in 2 of 5 runs). Both end their
 # ranks without it (as benchmarks.workload does under fork-based launchers).
 FUNCTION_CELL = (
     "def training_function(out_dir, steps):\n"
