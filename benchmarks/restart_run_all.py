@@ -1,4 +1,4 @@
-"""Section "restart_run_all": "Restart & Run All" of a notebook, kernel start → end of its launch cell.
+"""Section "restart_run_all": a notebook's "Restart & Run All", kernel start → launch cell done.
 
 Two notebooks, each run top to bottom in a fresh kernel as Jupyter's "Restart & Run All" does,
 once with nbaccel and once with Accelerate (only the launcher's import and call differ):
@@ -36,7 +36,9 @@ IMPORT_CELL = {
         "from torch.utils.data import DataLoader, Dataset\n"
         "from transformers import BertConfig, BertForSequenceClassification\n"
     ),
-    "torch": "import torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, Dataset\n",
+    "torch": (
+        "import torch\nfrom torch import nn\nfrom torch.utils.data import DataLoader, Dataset\n"
+    ),
 }
 LAUNCHER_IMPORT = {
     "nbaccel": "import nbaccel",
