@@ -41,7 +41,8 @@ def _errors(section: dict[str, Any]) -> list[str]:
     for name, entry in section.get("contenders", {}).items():
         errs = entry.get("errors") if isinstance(entry, dict) else None
         if errs:
-            notes.append(f"- {name}: {len(errs)} failed run(s); first: `{errs[0][:200]}`")
+            first = " ".join(errs[0][:300].split())  # one line, inside the list item
+            notes.append(f"- {name}: {len(errs)} failed run(s); first: `{first}`")
     return notes
 
 
