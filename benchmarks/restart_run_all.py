@@ -93,7 +93,7 @@ DATA_CELL = {
 # the launchers differ; the record proves the ranks trained. No destroy_process_group() at the
 # end: with it, the function's return freed DDP's reducer, which held the last reference to the
 # gloo group, whose destructor joined gloo's thread while holding the GIL that thread waited for
-# (torch 2.13; an Accelerate rank of the hf notebook hung so, forever, in 2 of 5 runs). The
+# (torch 2.13; an Accelerate rank of the hf notebook hung so, forever, in 3 of 5 runs). The
 # ranks end with the group alive, as benchmarks.workload's do under fork-based launchers.
 FUNCTION_CELL = (
     "def training_function(out_dir, steps):\n"
