@@ -29,6 +29,7 @@ SECTIONS = (
     "transfer",
     "scaling",
     "heavy",
+    "restart_run_all",
 )
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         launch_time,
         report,
         reporting_cost,
+        restart_run_all,
         scaling,
         step_rate,
         transfer,
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                     results[name] = scaling.run(args.reps, args.smoke, scratch)
                 elif name == "heavy":
                     results[name] = heavy_import.run(args.reps, args.smoke, args.world, scratch)
+                elif name == "restart_run_all":
+                    results[name] = restart_run_all.run(args.reps, args.smoke, args.world, scratch)
                 results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
                 results[name]["measured"] = {
                     "reps": args.reps,

@@ -119,13 +119,10 @@ def kernel(imports: Sequence[str] = (), env: dict[str, str] | None = None) -> It
     :func:`shared_kernels`, the environment's one kernel, which imports them now)."""
     extra = "\n".join(dict.fromkeys(IMPORTS[c] for c in imports if IMPORTS[c]))
     if _shared is None:
-        with _started_kernel(extra, env) as session:
+        with _started_kernel(STARTUP + extra, env) as session:
             yield session
         return
-    key = json.dumps(env or {}, sort_keys=True)
-    if key not in _shared:
-        _shared[key] = _shared_stack.enter_context(_started_kernel("", env))
-    session = _shared[key]
+    session = _shared_kernel(env)
     if extra:
         cell = session.execute(extra)
         if cell.error is not None:
@@ -134,9 +131,30 @@ def kernel(imports: Sequence[str] = (), env: dict[str, str] | None = None) -> It
 
 
 @contextlib.contextmanager
-def _started_kernel(extra: str, env: dict[str, str] | None) -> Iterator[Any]:
+def restarted_kernel(env: dict[str, str] | None = None) -> Iterator[tuple[Any, float]]:
+    """A kernel as "Restart & Run All" finds it (started now, nothing run in it) and the
+    ``time.time()`` just before it was started (within :func:`shared_kernels`, the environment's
+    one kernel, which has run earlier cells, and now)."""
+    if _shared is not None:
+        yield _shared_kernel(env), time.time()
+        return
+    started = time.time()
+    with _started_kernel(None, env) as session:
+        yield session, started
+
+
+def _shared_kernel(env: dict[str, str] | None) -> Any:
+    key = json.dumps(env or {}, sort_keys=True)
+    assert _shared is not None
+    if key not in _shared:
+        _shared[key] = _shared_stack.enter_context(_started_kernel(STARTUP, env))
+    return _shared[key]
+
+
+@contextlib.contextmanager
+def _started_kernel(startup: str | None, env: dict[str, str] | None) -> Iterator[Any]:
     kernel_env = {"PYTHONPATH": str(ROOT), **(env or {})}
-    with KernelSession(env=kernel_env, startup=STARTUP + extra) as session:
+    with KernelSession(env=kernel_env, startup=startup) as session:
         try:
             yield session
         finally:
@@ -256,6 +274,12 @@ def timed_cell(session: Any, code: str) -> float:
         raise RuntimeError(f"cell failed:\n{cell.error_text[-2000:]}")
     marks = [line for line in cell.stdout.splitlines() if line.startswith(MARK)]
     return json.loads(marks[-1][len(MARK) :])["s"]
+
+
+def load_now() -> float | None:
+    """The machine's 1-minute load average now, recorded beside each measurement: on a shared
+    machine a figure means little without it."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def kernel_cpu_share(run: dict[str, Any]) -> float | None:

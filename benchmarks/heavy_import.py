@@ -4,8 +4,11 @@ before the launcher), and the launched function imports it too, as a Hugging Fac
 For each contender and repetition a fresh kernel imports torch, the workload, transformers'
 Trainer and then the contender, and defines ``train_hf`` in a cell (``from transformers import
 Trainer`` in its body, then the same plain-DDP ``train`` as section 1). It is launched right after
-that import cell (*first launch*) and again ``repeats`` times (*relaunch*), timed as in section 1:
-the kernel's clock just before the launcher call → the last rank's first optimizer step.
+that import cell (*first launch*), then, after the kernel has idled ``IDLE_S`` seconds (as it
+does while the person reads the output: nbaccel's fork server finishes mirroring the kernel's
+imports meanwhile), again ``repeats`` times (*warm relaunch*), timed as in section 1: the
+kernel's clock just before the launcher call → the last rank's first optimizer step, and the
+launcher call whole (until the cell can go on). The load average is recorded beside each launch.
 
 Accelerate's ranks are forks of the kernel, so they inherit transformers; nbaccel's come from a
 fresh fork server that mirrors the kernel's imports (the function's first, before the ranks fork).
@@ -14,11 +17,14 @@ fresh fork server that mirrors the kernel's imports (the function's first, befor
 from __future__ import annotations
 
 import importlib.util
+import time
 from typing import Any
 
 from benchmarks import harness as H
 
 CONTENDERS = ("nbaccel", "accelerate")
+# Seconds the kernel idles between the first launch and the relaunches (none in a smoke run).
+IDLE_S = 5.0
 HEAVY = "from transformers import Trainer"
 DEFINE = (
     "def train_hf(cfg):\n"
@@ -42,11 +48,12 @@ def unavailable_reason(contender: str) -> str | None:
 
 def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any]:
     cfg = {"mode": "raw", "steps": 3 if smoke else 10, "warmup": 0}
-    repeats = 1 if smoke else 2
+    repeats = 1 if smoke else 3
     reps = 1 if smoke else reps
     contenders = [c for c in CONTENDERS if unavailable_reason(c) is None]
+    kinds = ("first", "repeat", "first_cell", "repeat_cell", "first_load", "repeat_load")
     raw: dict[str, dict[str, list]] = {
-        c: {"first": [], "repeat": [], "import_cell": [], "errors": []} for c in contenders
+        c: {**{k: [] for k in kinds}, "import_cell": [], "errors": []} for c in contenders
     }
     for rep in range(reps):
         for c in H.rotated(contenders, rep):
@@ -54,34 +61,45 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
                 with H.kernel() as session:  # torch and the workload only
                     cell = f"{HEAVY}\n{H.IMPORTS[c]}\n{DEFINE}"
                     raw[c]["import_cell"].append(H.timed_cell(session, cell))
-                    for kind in ["first"] + ["repeat"] * repeats:
+                    for i, kind in enumerate(["first"] + ["repeat"] * repeats):
+                        if i == 1 and not smoke:
+                            time.sleep(IDLE_S)  # once, after the first launch
+                        load = H.load_now()
                         result = H.run_call(
                             session, CALL[c].format(world=world), cfg, world, scratch
                         )
                         raw[c][kind].append(H.first_step_latency(result, world))
+                        raw[c][kind + "_cell"].append(result["t1"] - result["t0"])
+                        raw[c][kind + "_load"].append(load)
             except Exception as exc:  # noqa: BLE001 - one failed run is reported, not fatal
                 raw[c]["errors"].append(f"{type(exc).__name__}: {str(exc)[-400:]}")
     out: dict[str, Any] = {
         "what": "seconds from the launcher call to the last rank's first optimizer step, in a "
         f"kernel that ran `{HEAVY}` before the launcher; the function imports it too",
         "repeats_per_kernel": repeats,
+        "idle_before_relaunch_s": 0 if smoke else IDLE_S,
         "contenders": {},
     }
     for c in CONTENDERS:
         if c not in raw:
             out["contenders"][c] = {"unavailable": unavailable_reason(c)}
             continue
+        r = raw[c]
         out["contenders"][c] = {
-            "first_launch_s": H.summary(raw[c]["first"]),
-            "repeat_launch_s": H.summary(raw[c]["repeat"]),
-            "import_cell_s": H.summary(raw[c]["import_cell"]),
-            "errors": raw[c]["errors"],
+            "first_launch_s": H.summary(r["first"]),
+            "repeat_launch_s": H.summary(r["repeat"]),
+            "first_cell_s": H.summary(r["first_cell"]),
+            "repeat_cell_s": H.summary(r["repeat_cell"]),
+            "first_load_1min": H.summary([x for x in r["first_load"] if x is not None], 2),
+            "repeat_load_1min": H.summary([x for x in r["repeat_load"] if x is not None], 2),
+            "import_cell_s": H.summary(r["import_cell"]),
+            "errors": r["errors"],
         }
+    keys = ("first_launch_s", "repeat_launch_s", "first_cell_s", "repeat_cell_s")
     medians = {
-        c: {k: e.get(k, {}).get("median") for k in ("first_launch_s", "repeat_launch_s")}
-        for c, e in out["contenders"].items()
+        c: {k: e.get(k, {}).get("median") for k in keys} for c, e in out["contenders"].items()
     }
-    for key in ("first_launch_s", "repeat_launch_s"):
+    for key in keys:
         out[key.replace("_s", "_nbaccel_vs_accelerate")] = H.ratio(
             medians.get("nbaccel", {}).get(key), medians.get("accelerate", {}).get(key)
         )

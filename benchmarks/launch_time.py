@@ -31,16 +31,22 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
     repeats = 1 if smoke else 2
     contenders = [c for c in CONTENDERS if H.unavailable_reason(c) is None]
     raw: dict[str, dict[str, list]] = {
-        c: {"first": [], "repeat": [], "cell_first": [], "cell_repeat": [], "errors": []}
+        c: {
+            **{k + kind: [] for k in ("", "cell_", "load_") for kind in ("first", "repeat")},
+            "errors": [],
+        }
         for c in contenders
     }
 
     def launch(session: Any, c: str, kind: str) -> None:
         ranks = 1 if c == "no_launcher" else world
         try:
+            load = H.load_now()
             result = H.run_launch(session, c, cfg, ranks, scratch)
             raw[c][kind].append(H.first_step_latency(result, ranks))
             raw[c]["cell_" + kind].append(result["t1"] - result["t0"])
+            if load is not None:
+                raw[c]["load_" + kind].append(load)
         except Exception as exc:  # noqa: BLE001 - one failed launch is reported, not fatal
             raw[c]["errors"].append(f"{kind}: {type(exc).__name__}: {str(exc)[-400:]}")
 
@@ -78,6 +84,8 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
             "repeat_launch_s": H.summary(r["repeat"]),
             "cell_first_s": H.summary(r["cell_first"]),
             "cell_repeat_s": H.summary(r["cell_repeat"]),
+            "load_first_1min": H.summary(r["load_first"], 2),
+            "load_repeat_1min": H.summary(r["load_repeat"], 2),
             "errors": r["errors"],
         }
     base = out["contenders"].get("nbaccel", {})

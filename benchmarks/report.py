@@ -19,6 +19,14 @@ def _median(entry: dict[str, Any], key: str, fmt: str = "{:.3f}") -> str:
     return _num(stats["median"], fmt) + (f" (n={stats['n']})" if stats["n"] > 1 else "")
 
 
+def _load(entry: dict[str, Any], key: str) -> str:
+    """The 1-minute load averages recorded beside a figure's runs: median (min-max)."""
+    stats = entry.get(key) or {}
+    if not stats.get("n"):
+        return "–"
+    return f"{stats['median']:.1f} ({stats['min']:.1f}–{stats['max']:.1f})"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
@@ -33,7 +41,8 @@ def _errors(section: dict[str, Any]) -> list[str]:
     for name, entry in section.get("contenders", {}).items():
         errs = entry.get("errors") if isinstance(entry, dict) else None
         if errs:
-            notes.append(f"- {name}: {len(errs)} failed run(s); first: `{errs[0][:200]}`")
+            first = " ".join(errs[0][:300].split())  # one line, inside the list item
+            notes.append(f"- {name}: {len(errs)} failed run(s); first: `{first}`")
     return notes
 
 
@@ -58,8 +67,11 @@ def _launch_row(name: str, e: dict[str, Any]) -> list[str]:
         name,
         _median(e, "first_launch_s"),
         _median(e, "repeat_launch_s"),
+        _median(e, "cell_repeat_s"),
         _num(e.get("first_launch_vs_nbaccel"), "{:.2f}×"),
         _num(e.get("repeat_launch_vs_nbaccel"), "{:.2f}×"),
+        _load(e, "load_first_1min"),
+        _load(e, "load_repeat_1min"),
     ]
 
 
@@ -142,8 +154,11 @@ def render(results: dict[str, Any]) -> str:
                 "launcher",
                 "first launch in a fresh kernel",
                 "repeated launch",
+                "repeated launch, whole call",
                 "first ÷ nbaccel",
                 "repeated ÷ nbaccel",
+                "load, first",
+                "load, repeated",
             ],
             _launch_row,
             after=[
@@ -202,6 +217,7 @@ def render(results: dict[str, Any]) -> str:
             )
     out += render_issue15(results)
     out += _render_heavy(results.get("heavy"))
+    out += _render_restart_run_all(results.get("restart_run_all"))
     return "\n".join(out) + "\n"
 
 
@@ -209,7 +225,11 @@ def _heavy_row(name: str, e: dict[str, Any]) -> list[str]:
     return [
         name,
         _median(e, "first_launch_s"),
+        _median(e, "first_cell_s"),
+        _load(e, "first_load_1min"),
         _median(e, "repeat_launch_s"),
+        _median(e, "repeat_cell_s"),
+        _load(e, "repeat_load_1min"),
         _median(e, "import_cell_s"),
     ]
 
@@ -217,17 +237,74 @@ def _heavy_row(name: str, e: dict[str, Any]) -> list[str]:
 def _render_heavy(s: dict[str, Any] | None) -> list[str]:
     if not s:
         return []
+    idle = s.get("idle_before_relaunch_s", 0)
     return _section(
         s,
         "## 9. A kernel that imported a heavy package: `from transformers import Trainer` before "
-        "the launcher, and in the launched function (s to every rank's first step, lower is "
-        "better)",
-        ["launcher", "first launch right after the import cell", "relaunch", "import cell (s)"],
+        "the launcher, and in the launched function (s, lower is better)",
+        [
+            "launcher",
+            "first launch right after the import cell: to first step",
+            "whole call",
+            "load",
+            f"warm relaunch (after {idle:g} s idle): to first step",
+            "whole call",
+            "load",
+            "import cell (s)",
+        ],
         _heavy_row,
         after=[
-            "nbaccel ÷ Accelerate: first launch "
-            f"{_num(s.get('first_launch_nbaccel_vs_accelerate'))}, relaunch "
-            f"{_num(s.get('repeat_launch_nbaccel_vs_accelerate'))} (goal: relaunch ≤ 1.0)."
+            "nbaccel ÷ Accelerate (medians): first launch "
+            f"{_num(s.get('first_launch_nbaccel_vs_accelerate'))} to first step, "
+            f"{_num(s.get('first_cell_nbaccel_vs_accelerate'))} whole call; warm relaunch "
+            f"{_num(s.get('repeat_launch_nbaccel_vs_accelerate'))} to first step, "
+            f"{_num(s.get('repeat_cell_nbaccel_vs_accelerate'))} whole call (target: warm "
+            "relaunch ≤ 0.5). Load: 1-minute load average at each launch, median (min–max)."
+        ],
+    )
+
+
+def _restart_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        _median(e, "total_s"),
+        _median(e, "imports_s"),
+        _median(e, "launch_cell_s"),
+        _median(e, "first_step_s"),
+        _load(e, "load_1min"),
+    ]
+
+
+def _render_restart_run_all(s: dict[str, Any] | None) -> list[str]:
+    if not s:
+        return []
+    ratios = s.get("total_nbaccel_vs_accelerate", {})
+    paired = s.get("total_nbaccel_vs_accelerate_paired", {})
+    return _section(
+        s,
+        "## 10. Restart & Run All: kernel start → end of the launch cell (s, lower is better)",
+        [
+            "notebook/launcher",
+            "kernel start → launch cell done",
+            "→ imports done",
+            "launch cell",
+            "→ last rank's first step",
+            "load",
+        ],
+        _restart_row,
+        before=[
+            "`hf`: `import transformers, datasets, torch`, the launcher, a tiny BERT from a "
+            "config and a torch Dataset, a DDP training function "
+            f"({s.get('steps')} AdamW steps), the launch; `torch`: the same without "
+            "transformers and datasets (a small MLP). Every cell in a fresh kernel."
+        ],
+        after=[
+            "nbaccel ÷ Accelerate, kernel start → launch cell done: "
+            + "; ".join(
+                f"{nb} {_num(ratios.get(nb))} (paired runs {_num(paired.get(nb))})" for nb in ratios
+            )
+            + " (target ≤ 0.8). Load: 1-minute load average at each run's start, median "
+            "(min–max)."
         ],
     )
 

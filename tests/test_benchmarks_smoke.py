@@ -43,6 +43,7 @@ NUMBER_KEYS = {
     "transfer": ("argument_s", "result_s"),
     "scaling": ("first_launch_s",),
     "heavy": ("first_launch_s",),
+    "restart_run_all": ("total_s",),
 }
 
 
@@ -80,4 +81,5 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert gpu.get("skipped") or gpu.get("contenders")
     table = (tmp_path / "latest.md").read_text()
     assert "## 1." in table and "## 4b." in table and "## 8." in table and "## 9." in table
+    assert "## 10." in table
     assert "## 1." in output  # the table is printed too
