@@ -74,7 +74,9 @@ class RunJob:
 
     def on_exit(self, r: RankProcess, code: int | None) -> None:
         rank = self.state.ranks[r.rank]
-        rank.exitcode, rank.ended_at = code, time.monotonic()
+        rank.exitcode = code
+        if r.rank not in self.relay.payloads or rank.ended_at is None:
+            rank.ended_at = time.monotonic()  # (one that reported ended when it returned)
         if rank.status == Status.FAILED:
             error = next(e for k, e in self.relay.failures if k == r.rank)
             error.exitcode = code

@@ -165,6 +165,7 @@ class Relay:
             rank.effective = {k: str(v) for k, v in vars(event).items() if k != "rank"}
         elif isinstance(event, events.Result):
             self.payloads[event.rank] = event.payload
+            rank.returned(time.monotonic())
             how = "returned" if event.exit_code is None else f"exited (code {event.exit_code})"
             self.ended[event.rank] = how
         elif isinstance(event, events.Leftovers):

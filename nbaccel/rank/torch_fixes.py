@@ -72,7 +72,6 @@ def count_built_process_groups() -> None:
     if getattr(original, "__nbaccel_counts_groups__", False):
         return
 
-    @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         original(*args, **kwargs)
         try:
@@ -82,9 +81,10 @@ def count_built_process_groups() -> None:
         except Exception:  # noqa: BLE001 - no store (MPI), or a peer gone: nothing to count
             pass
 
-    init_process_group.__nbaccel_counts_groups__ = True
-    c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
+    counting: Any = functools.wraps(original)(init_process_group)
+    counting.__nbaccel_counts_groups__ = True
+    c10d.init_process_group = counting
+    dist.init_process_group = counting
 
 
 def leave_together(poll: float = 0.005) -> None:

@@ -192,6 +192,18 @@ class RankState:
         elif self.ended_at is None:
             self.ended_at = now
 
+    def returned(self, now: float) -> None:
+        """The rank's function has ended and reported (its process may still be leaving, e.g.
+        rank 0 until the others have left its store): its clocks, elapsed and rate, stop here.
+
+        >>> r = RankState(0, started_at=10.0)
+        >>> r.move(RUNNING, now=10.0); r.returned(now=14.0); r.move(FINISHED, now=20.0)
+        >>> r.elapsed(now=30.0)
+        4.0
+        """
+        if self.ended_at is None:
+            self.ended_at = now
+
     def elapsed(self, now: float) -> float:
         """Seconds since the rank started, to ``now`` or to its end."""
         return (now if self.ended_at is None else self.ended_at) - self.started_at
