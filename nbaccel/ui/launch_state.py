@@ -168,6 +168,17 @@ class RankState:
     def done(self) -> bool:
         return self.status in (FINISHED, FAILED, STOPPED)
 
+    @property
+    def shown_status(self) -> RankStatus:
+        """The status the views show: ``finished`` once the function has returned
+        (:meth:`returned`), while the process may still be leaving.
+
+        >>> r = RankState(0); r.move(RUNNING, now=1.0); r.returned(now=2.0)
+        >>> r.status, r.shown_status
+        (<RankStatus.RUNNING: 'running'>, <RankStatus.FINISHED: 'finished'>)
+        """
+        return FINISHED if self.status == RUNNING and self.ended_at is not None else self.status
+
     def move(self, status: RankStatus, now: float | None = None) -> None:
         """Set the rank's status: the one place it changes. An end (finished, failed, stopped)
         stamps ``ended_at``; a move back to running (a new ``%ranks`` cell) clears it. A move

@@ -256,7 +256,7 @@ def _rows(state: LaunchState, now: float) -> tuple[list[str], list[list[str]]]:
     header += ["memory"] * with_memory + ["elapsed"] + ["metrics"] * with_metrics
     rows = []
     for rank in ranks:
-        status = str(rank.status) + compiling_note(rank, now)
+        status = str(rank.shown_status) + compiling_note(rank, now)
         status += f" ({STRAGGLER_MARK})" if rank.rank in slow else ""
         status += f": {rank.error_line}" if rank.error_line else ""
         row = [str(rank.rank), status]
@@ -379,14 +379,14 @@ def summary_html(
     head = "".join(f"<th style='{CELL}'>{h}</th>" for h in header)
     body = []
     for cells, rank in zip(rows, sorted(state.ranks.values(), key=lambda r: r.rank)):
-        colour = STATUS_COLOURS.get(rank.status, "inherit")
+        colour = STATUS_COLOURS.get(rank.shown_status, "inherit")
         tds = "".join(
             f"<td style='{WRAP_CELL if h in WRAPPING else CELL};"
             f"{'color:' + colour if i == 1 else ''}'>{html.escape(c)}</td>"
             for i, (h, c) in enumerate(zip(header, cells))
         )
         body.append(
-            f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}'>{tds}</tr>"
+            f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.shown_status}'>{tds}</tr>"
         )
     extra = ""
     if any(r.bars for r in state.ranks.values()):

@@ -75,12 +75,12 @@ def row_html(
 ) -> str:
     """One rank's row; ``metrics`` (default: the latest) lets the row show the values the
     charts were drawn from."""
-    colour = STATUS_COLOURS.get(rank.status, "inherit")
+    colour = STATUS_COLOURS.get(rank.shown_status, "inherit")
     bar = rank.bar
     n, total = (bar.n, bar.total) if bar else (0, None)
-    done = 1.0 if rank.status == "finished" else 0.0
+    done = 1.0 if rank.shown_status == "finished" else 0.0
     frac = min(1.0, n / total) if bar and total else done
-    fill = STATUS_COLOURS["failed"] if rank.status == FAILED else "#2da44e"
+    fill = STATUS_COLOURS["failed"] if rank.shown_status == FAILED else "#2da44e"
     meter = (
         "<div style='width:140px;height:10px;background:#d0d7de;border-radius:3px'>"
         f"<div style='width:{frac * 100:.1f}%;height:100%;background:{fill};"
@@ -94,7 +94,7 @@ def row_html(
     )
     cells = [
         f"rank {rank.rank}",
-        f"<span style='color:{colour};font-weight:600'>{rank.status}</span>"
+        f"<span style='color:{colour};font-weight:600'>{rank.shown_status}</span>"
         f"{html.escape(compiling_note(rank, now))}{mark}",
         html.escape(format_count(rank)),
         meter,
@@ -108,10 +108,10 @@ def row_html(
         f"<td style='{WRAP_CELL if name in WRAPPING else CELL}'>{c}</td>"
         for name, c in zip(COLUMNS, cells)
     )
-    failed = rank.status == FAILED
+    failed = rank.shown_status == FAILED
     style = "background:rgba(207,34,46,0.12)" if failed else ""
     row = (
-        f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.status}' "
+        f"<tr class='nbaccel-rank' data-rank='{rank.rank}' data-status='{rank.shown_status}' "
         f"data-n='{n}' data-total='{'' if total is None else total}' "
         f"data-rate='{html.escape(format_rate(rank, now))}' data-straggler='{int(straggler)}' "
         f"style='{style}'>{tds}</tr>"
