@@ -33,9 +33,7 @@ def no_launch_left_for_the_next_test(kernel):
     """A failing test stops the launches it left running: otherwise the next tests' checks
     of what runs in the shared kernel would find its ranks and fail too."""
     yield
-    kernel.execute(
-        "[v.stop() for v in list(globals().values()) if isinstance(v, nbaccel.Launch)]"
-    )
+    kernel.execute("[v.stop() for v in list(globals().values()) if isinstance(v, nbaccel.Launch)]")
 
 
 def cell(code: str) -> str:

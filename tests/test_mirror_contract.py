@@ -188,7 +188,9 @@ def test_an_installed_module_edited_and_reloaded_runs_edited_in_the_ranks(tmp_pa
 SLOW_IN_SERVER = (
     "import os, time\nif os.environ.get('NBACCEL_MIRROR_ADDRESS'):\n    time.sleep(2)\n"
 )
-FOR_FUNCTION = re.compile(r"fork server: importing slow_pkg for your function \(\d+ of \d+ modules\)")
+FOR_FUNCTION = re.compile(
+    r"fork server: importing slow_pkg for your function \(\d+ of \d+ modules\)"
+)
 WAITED = re.compile(r"(.*) \((\d+(?:\.\d+)?) s\)")  # waiting_text: what, then its seconds
 
 
