@@ -71,3 +71,22 @@ def test_a_rank_waiting_to_leave_is_timed_to_its_return(capfd):
     rows = [ln.split() for ln in capfd.readouterr().out.splitlines()]
     status = {r[0]: " ".join(r[1:3]) for r in rows if len(r) > 2 and r[0] in ("0", "1")}
     assert status == {"0": "finished 25/25", "1": "finished (straggler)"}, status
+
+
+def rebuild_the_group() -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.destroy_process_group()
+    dist.init_process_group("gloo")  # meets in the store rank 0 still serves: fresh keys
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_group_destroyed_and_built_again_in_one_launch_works():
+    """torch numbers groups from 0 again after destroying the default one, so the new group
+    took the old one's keys in the store rank 0 keeps serving and hung on its addresses."""
+    for _ in range(3):
+        assert nbaccel.notebook_launcher(rebuild_the_group, num_processes=3, timeout=60) == 3.0

@@ -8,7 +8,8 @@ hangs in ``~ProcessGroupGloo`` (seen here in about 1 of 6 runs on torch 2.13).
 
 Ranks never need those destructors: they exit without interpreter teardown right after
 reporting. So, inside ranks only, ``destroy_process_group`` keeps a reference to the groups it
-destroys; their C++ objects then die with the process instead of in the user's frame.
+destroys; their C++ objects then die with the process instead of in the user's frame. It also
+keeps torch's group numbering going, so a group built after it takes fresh keys in the store.
 
 And keep a rank that is done from failing the others. ``init_process_group`` returns on one
 rank while another may still be connecting its gloo mesh to it (torch's barrier at the end of
@@ -46,12 +47,19 @@ def keep_destroyed_process_groups_alive() -> None:
 
     @functools.wraps(original)
     def destroy_process_group(group: Any = None) -> None:
+        count = None
         try:
             world = c10d._world
             _kept_alive.extend(list(world.pg_map) if group is None else [group])
+            count = world.group_count
         except AttributeError:  # another torch layout: the workaround is best effort
             pass
         original(group)
+        if count is not None and c10d._world.group_count == 0:
+            # torch numbers groups from 0 again, so a group built next would take the same
+            # keys in the store, which rank 0 still serves: it met the old group's addresses
+            # and hung. Every rank destroys and builds in step, so they agree on the numbers.
+            c10d._world.group_count = count
 
     destroy_process_group.__nbaccel_keeps_groups__ = True
     c10d.destroy_process_group = destroy_process_group
