@@ -2,8 +2,9 @@
 launch (``launch.launch``) and for a ``%ranks`` session (``persistent.session``) alike.
 
 The start: the view first (a cell must not stay blank while the fork server still imports
-torch; :meth:`RankLifecycle.show`), the fork server (refusing a restart that would stop other launches' ranks), the group's
-ranks, their clocks (a wait for the server is no stall), and the relay watching their pipes.
+torch; :meth:`RankLifecycle.show`), the fork server (refusing a restart that would stop other
+launches' ranks), the group's ranks, their clocks (a wait for the server is no stall), and the
+relay watching their pipes.
 The teardown: what still runs is stopped (after a wait for the ranks to leave by themselves, if
 asked: SIGTERM, SIGKILL after a grace), every rank is reaped and what the ranks left running is
 swept (``launch.containment``), their last output read and their pipes closed, with Ctrl-C held
