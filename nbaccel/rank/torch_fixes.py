@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 _kept_alive: list[Any] = []
@@ -34,41 +35,50 @@ _built_in: list[tuple[Any, int, int]] = []
 
 def keep_destroyed_process_groups_alive() -> None:
     """Patch ``torch.distributed.destroy_process_group`` in this process (idempotent)."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return
-    if not dist.is_available():
-        return
-    c10d = dist.distributed_c10d
-    original = c10d.destroy_process_group
-    if getattr(original, "__nbaccel_keeps_groups__", False):
-        return
 
-    @functools.wraps(original)
-    def destroy_process_group(group: Any = None) -> None:
-        count = None
-        try:
-            world = c10d._world
-            _kept_alive.extend(list(world.pg_map) if group is None else [group])
-            count = world.group_count
-        except AttributeError:  # another torch layout: the workaround is best effort
-            pass
-        original(group)
-        if count is not None and c10d._world.group_count == 0:
-            # torch numbers groups from 0 again, so a group built next would take the same
-            # keys in the store, which rank 0 still serves: it met the old group's addresses
-            # and hung. Every rank destroys and builds in step, so they agree on the numbers.
-            c10d._world.group_count = count
+    def wrap(original: Any, c10d: Any, dist: Any) -> Any:
+        def destroy_process_group(group: Any = None) -> None:
+            count = None
+            try:
+                world = c10d._world
+                _kept_alive.extend(list(world.pg_map) if group is None else [group])
+                count = world.group_count
+            except AttributeError:  # another torch layout: the workaround is best effort
+                pass
+            original(group)
+            if count is not None and c10d._world.group_count == 0:
+                # torch numbers groups from 0 again, so a group built next would take the same
+                # keys in the store, which rank 0 still serves: it met the old group's
+                # addresses and hung. Every rank destroys and builds in step, so they agree.
+                c10d._world.group_count = count
 
-    destroy_process_group.__nbaccel_keeps_groups__ = True
-    c10d.destroy_process_group = destroy_process_group
-    dist.destroy_process_group = destroy_process_group
+        return destroy_process_group
+
+    _wrap_distributed("destroy_process_group", wrap)
 
 
 def count_built_process_groups() -> None:
     """Patch ``torch.distributed.init_process_group`` in this process (idempotent): once the
     default group is built, count this rank in its store, for :func:`leave_together`."""
+
+    def wrap(original: Any, c10d: Any, dist: Any) -> Any:
+        def init_process_group(*args: Any, **kwargs: Any) -> None:
+            original(*args, **kwargs)
+            try:
+                store = c10d._get_default_store()
+                _built_in.append((store, dist.get_rank(), dist.get_world_size()))
+                store.add(_key("built", len(_built_in)), 1)
+            except Exception:  # noqa: BLE001 - no store (MPI), or a peer gone: nothing to count
+                pass
+
+        return init_process_group
+
+    _wrap_distributed("init_process_group", wrap)
+
+
+def _wrap_distributed(name: str, wrap: Callable[[Any, Any, Any], Any]) -> None:
+    """Replace ``torch.distributed.<name>`` (and its ``distributed_c10d`` original) with
+    ``wrap(original, c10d, dist)``, once per process; nothing where torch.distributed is not."""
     try:
         import torch.distributed as dist
     except ImportError:
@@ -76,23 +86,13 @@ def count_built_process_groups() -> None:
     if not dist.is_available():
         return
     c10d = dist.distributed_c10d
-    original = c10d.init_process_group
-    if getattr(original, "__nbaccel_counts_groups__", False):
+    original = getattr(c10d, name)
+    if getattr(original, "__nbaccel_wrapped__", False):
         return
-
-    def init_process_group(*args: Any, **kwargs: Any) -> None:
-        original(*args, **kwargs)
-        try:
-            store = c10d._get_default_store()
-            _built_in.append((store, dist.get_rank(), dist.get_world_size()))
-            store.add(_key("built", len(_built_in)), 1)
-        except Exception:  # noqa: BLE001 - no store (MPI), or a peer gone: nothing to count
-            pass
-
-    counting: Any = functools.wraps(original)(init_process_group)
-    counting.__nbaccel_counts_groups__ = True
-    c10d.init_process_group = counting
-    dist.init_process_group = counting
+    wrapped: Any = functools.wraps(original)(wrap(original, c10d, dist))
+    wrapped.__nbaccel_wrapped__ = True
+    setattr(c10d, name, wrapped)
+    setattr(dist, name, wrapped)
 
 
 def leave_together(poll: float = 0.005) -> None:
