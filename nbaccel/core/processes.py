@@ -3,6 +3,8 @@ still lives, and signalling many at once where any may already be gone."""
 
 from __future__ import annotations
 
+import os
+
 import psutil
 
 # The multiprocessing name of a rank's process: "nbaccel-rank0", ... (the fork server knows its
@@ -52,3 +54,23 @@ def signal_all(processes: list[psutil.Process], sig: int) -> None:
             process.send_signal(sig)
         except psutil.Error:
             pass
+
+
+def child_pids(pid: int | str = "self") -> list[int] | None:
+    """The pids of ``pid``'s children (zombies included), read from each of its threads'
+    ``/proc/<pid>/task/<tid>/children``: a file per thread, where psutil's ``children()``
+    reads every process's status on the machine (1.3 ms here, on every rank's exit and every
+    launch's sweep). ``None`` where the kernel does not list them, or the process is gone.
+
+    >>> child_pids() in ([], None)  # a doctest run starts no process
+    True
+    """
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found += [int(p) for p in f.read().split()]
+    except (OSError, ValueError):  # a thread that just ended, no such files, or no process
+        return None
+    return found if tasks else None

@@ -95,9 +95,9 @@ def server_strays(servers: set[int], live: set[int]) -> list[psutil.Process]:
 
 def _strays_of(pid: int, live: set[int]) -> list[psutil.Process]:
     try:
-        server = psutil.Process(pid)
         server_sid = os.getsid(pid)
-        children = server.children()
+        pids = processes.child_pids(pid)
+        children = psutil.Process(pid).children() if pids is None else _processes(pids, live)
     except (OSError, psutil.Error):
         return []
     strays = []
@@ -112,6 +112,15 @@ def _strays_of(pid: int, live: set[int]) -> list[psutil.Process]:
         except (OSError, psutil.Error):
             pass
     return strays
+
+
+def _processes(pids: list[int], skip: set[int]) -> list[psutil.Process]:
+    found = []
+    for pid in pids:
+        if pid not in skip:
+            with contextlib.suppress(psutil.Error):  # gone meanwhile: nothing to sweep
+                found.append(psutil.Process(pid))
+    return found
 
 
 def sweep(rank_pids: set[int], servers: set[int], live: LiveRanks) -> list[tuple[int, str]]:

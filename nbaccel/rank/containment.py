@@ -57,6 +57,8 @@ def set_subreaper() -> bool:
 def descendants() -> list[psutil.Process]:
     """This process's living descendants (zombies are reaped, not listed)."""
     reap_children()
+    if processes.child_pids() == []:  # the common case, known in microseconds: a descendant
+        return []  # always has a child of this process above it (orphans re-parent here)
     try:
         found = psutil.Process().children(recursive=True)
     except psutil.Error:
