@@ -17,13 +17,14 @@ teardown, where torch's process-group destructors can deadlock (see ``torch_fixe
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import faulthandler
 import multiprocessing.util
 import os
 import pickle
 import sys
-import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -103,7 +104,7 @@ def flush_output() -> None:
 EXIT_DEADLINE = 60.0
 
 
-def end_within(code: int, seconds: float | None = None) -> threading.Timer:
+def end_within(code: int, seconds: float | None = None) -> None:
     """Make sure this process ends with ``code`` within ``seconds`` from now, whatever its exit
     hooks wait for: past the deadline the stacks are printed, with what happened, and the process
     ends. Its result was reported already, so the launch still completes."""
@@ -111,6 +112,7 @@ def end_within(code: int, seconds: float | None = None) -> threading.Timer:
         seconds = float(os.environ.get("NBACCEL_EXIT_DEADLINE") or EXIT_DEADLINE)
 
     def give_up() -> None:
+        time.sleep(seconds)
         try:
             print(
                 f"nbaccel: this rank's function ended {seconds:.0f} s ago but its exit hooks are "
@@ -124,10 +126,11 @@ def end_within(code: int, seconds: float | None = None) -> threading.Timer:
             flush_output()
             os._exit(code)
 
-    timer = threading.Timer(seconds, give_up)
-    timer.daemon = True
-    timer.start()
-    return timer
+    # A bare thread: threading.Timer's start() waits until the new thread runs, which is up to
+    # the interpreter's switch interval (5 ms) while another thread holds the GIL, on every
+    # rank's exit, which the launch waits for. The process never waits for this thread:
+    # leave() ends it with os._exit.
+    _thread.start_new_thread(give_up, ())
 
 
 def close_multiprocessing() -> None:

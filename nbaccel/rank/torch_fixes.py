@@ -95,14 +95,15 @@ def _wrap_distributed(name: str, wrap: Callable[[Any, Any, Any], Any]) -> None:
     setattr(dist, name, wrapped)
 
 
-def leave_together(poll: float = 0.005) -> None:
+def leave_together(poll: float = 0.001) -> None:
     """As this rank leaves: wait until every rank has built the last default group this one
     built, so none is still connecting to it; then count out, and rank 0, which serves the
     store in a notebook launch, leaves only once the others have (their last use of it).
 
     It never waits for a rank that is still training, only for one still inside
     ``init_process_group``; ranks that fail there are stopped by the launcher, and an error of
-    the store ends the wait.
+    the store ends the wait. It looks every ``poll`` s (a round trip to rank 0's store, ~0.1
+    ms): rank 0 leaves last, and the launch waits for it (5 ms looks cost 2.5 ms of it).
     """
     if not _built_in:
         return
