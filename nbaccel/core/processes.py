@@ -62,7 +62,9 @@ def child_pids(pid: int | str = "self") -> list[int] | None:
     reads every process's status on the machine (1.3 ms here, on every rank's exit and every
     launch's sweep). ``None`` where the kernel does not list them, or the process is gone.
 
-    >>> child_pids() in ([], None)  # a doctest run starts no process
+    >>> os.getpid() in (child_pids(os.getppid()) or [os.getpid()])  # None: not listed here
+    True
+    >>> child_pids(2**22 + 1) is None  # no such process
     True
     """
     found: list[int] = []
