@@ -46,4 +46,6 @@ workers="${NBACCEL_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
+# A worker that crashes (a test that kills its own process) fails the run at once: xdist's
+# replacement worker can leave a file-scheduled run waiting for ever.
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --max-worker-restart 0 "$@"
