@@ -8,6 +8,7 @@ cores: one cluster for the module, and ``ray stop`` plus a check by pid at its e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -79,21 +81,37 @@ def _cluster_processes(temp_dir: str) -> list[psutil.Process]:
     return found
 
 
-def _ray_start(run, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+def _ray_temp_dir() -> str:
+    """A temporary folder for one Ray node, short enough for its Unix sockets: Ray puts
+    ``session_<date>_<pid>/sockets/plasma_store`` below it, and a socket path over 107 bytes
+    is refused (pytest's own folders, deeper under pytest-xdist, are too long)."""
+    return tempfile.mkdtemp(prefix="nbray", dir="/tmp")
+
+
+def _ray_start(
+    run, argv: list[str], env: dict[str, str], temp_dir: str
+) -> subprocess.CompletedProcess:
     """``ray start`` through ``run``, once more after a failed start: on a loaded 2-core
-    machine Ray's own node startup sometimes times out ("node timed out during startup")."""
+    machine Ray's own node startup sometimes times out ("node timed out during startup").
+    Before the second try only what the failed start left in ``temp_dir`` is killed: ``ray
+    stop --force`` would stop every Ray node of the machine (a namespace shares its process
+    table), the module's other cluster too."""
     for attempt in range(2):
         started = run(argv, env=env, capture_output=True, text=True, timeout=180)
         if started.returncode == 0 or attempt:
             return started
-        run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        left = _cluster_processes(temp_dir)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(left, timeout=10)
     return started
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
+def head():
     """The address of a one-node Ray cluster with 3 CPUs, stopped (and checked) at the end."""
-    temp_dir = str(tmp_path_factory.mktemp("ray"))
+    temp_dir = _ray_temp_dir()
     port = free_port()
     env = {**os.environ, **RAY_ENV}
     started = _ray_start(
@@ -101,6 +119,7 @@ def head(tmp_path_factory):
         [RAY, "start", "--head", f"--port={port}", "--num-cpus=3", "--num-gpus=0",
          "--include-dashboard=false", f"--temp-dir={temp_dir}", "--node-ip-address=127.0.0.1"],
         env,
+        temp_dir,
     )  # fmt: skip
     try:
         assert started.returncode == 0, started.stdout + started.stderr
@@ -287,7 +306,7 @@ time.sleep(600)
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
+def two_nodes():
     """(net, head address) of a Ray cluster of two nodes, a head and a worker, each a host of
     its own (network namespaces); everything in them is killed at the end, checked by pid."""
     reason = netns_helpers.unavailable()
@@ -299,20 +318,24 @@ def two_nodes(tmp_path_factory):
         pytest.skip(f"no network namespaces here: {exc}")
     env = {**os.environ, **RAY_ENV}
     head = f"{net.address(0)}:6379"
+    temps: list[str] = []
     try:
         for host, role in ((0, ["--head", "--port=6379", "--include-dashboard=false"]),
                            (1, [f"--address={head}"])):  # fmt: skip
-            temp = str(tmp_path_factory.mktemp(f"ray-node{host}"))
+            temps.append(_ray_temp_dir())
             started = _ray_start(
                 functools.partial(net.run, host),
-                [RAY, "start", *role, "--num-cpus=1", "--num-gpus=0", f"--temp-dir={temp}",
+                [RAY, "start", *role, "--num-cpus=1", "--num-gpus=0", f"--temp-dir={temps[-1]}",
                  f"--node-ip-address={net.address(host)}"],
                 env,
+                temps[-1],
             )  # fmt: skip
             assert started.returncode == 0, started.stdout + started.stderr
         yield net, head
     finally:
         net.close()  # kills every process of both nodes, by pid
+        for temp in temps:
+            shutil.rmtree(temp, ignore_errors=True)
         left = net.still_running(timeout=1)
         assert net.left() == [] and left == [], f"left behind: {net.left()} {left}"
 
