@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import psutil
@@ -17,6 +18,13 @@ LONG_LIVED: set[int] = set()
 CLOSING_KERNELS: list[threading.Thread] = []
 
 os.environ.setdefault("NBACCEL_NO_WARMUP", "1")  # tests start the fork server when they need it
+
+# Tests press Ctrl-C (SIGINT) in this process and in the kernels, scripts and xdist workers it
+# starts. A shell without job control starts a background job (`bash scripts/test.sh &`) with
+# SIGINT ignored, an exec keeps it ignored, and Python then never installs its handler: Ctrl-C
+# would do nothing in them. Give them what a terminal gives.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def leftover_processes(
