@@ -8,7 +8,6 @@ cores: one cluster for the module, and ``ray stop`` plus a check by pid at its e
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import os
@@ -27,6 +26,7 @@ import psutil
 import pytest
 
 import nbaccel
+from nbaccel.core import processes
 from nbaccel.core.rendezvous import free_port
 from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import resolve_plan
@@ -101,9 +101,7 @@ def _ray_start(
         if started.returncode == 0 or attempt:
             return started
         left = _cluster_processes(temp_dir)
-        for p in left:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        processes.signal_all(left, signal.SIGKILL)
         psutil.wait_procs(left, timeout=10)
     return started
 

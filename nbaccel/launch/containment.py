@@ -97,7 +97,7 @@ def _strays_of(pid: int, live: set[int]) -> list[psutil.Process]:
     try:
         server_sid = os.getsid(pid)
         pids = processes.child_pids(pid)
-        children = psutil.Process(pid).children() if pids is None else _processes(pids, live)
+        children = psutil.Process(pid).children() if pids is None else _processes(pids)
     except (OSError, psutil.Error):
         return []
     strays = []
@@ -114,12 +114,11 @@ def _strays_of(pid: int, live: set[int]) -> list[psutil.Process]:
     return strays
 
 
-def _processes(pids: list[int], skip: set[int]) -> list[psutil.Process]:
+def _processes(pids: list[int]) -> list[psutil.Process]:
     found = []
     for pid in pids:
-        if pid not in skip:
-            with contextlib.suppress(psutil.Error):  # gone meanwhile: nothing to sweep
-                found.append(psutil.Process(pid))
+        with contextlib.suppress(psutil.Error):  # gone meanwhile: nothing to sweep
+            found.append(psutil.Process(pid))
     return found
 
 
