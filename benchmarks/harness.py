@@ -300,6 +300,16 @@ def first_step_latency(run: dict[str, Any], world: int) -> float:
     return max(r["first_step"] for r in ranks.values()) - run["t0"]
 
 
+def function_span(run: dict[str, Any], world: int) -> float:
+    """Seconds from the first rank entering the function to the last one leaving it: the
+    function's own time, which no launcher can take off a launch (what is left of the whole
+    call is the launcher's)."""
+    ranks = run["ranks"]
+    if len(ranks) != world or any(r.get("left") is None for r in ranks.values()):
+        raise RuntimeError(f"not every rank reported entering and leaving: {ranks}")
+    return max(r["left"] for r in ranks.values()) - min(r["entered"] for r in ranks.values())
+
+
 def message_bytes(msg: dict[str, Any]) -> int:
     """Size of an iopub message as JSON (header, parent header, metadata, content)."""
     parts = {k: msg.get(k) for k in ("header", "parent_header", "metadata", "content")}

@@ -52,6 +52,7 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
     reps = 1 if smoke else reps
     contenders = [c for c in CONTENDERS if unavailable_reason(c) is None]
     kinds = ("first", "repeat", "first_cell", "repeat_cell", "first_load", "repeat_load")
+    kinds += ("first_function", "repeat_function")
     raw: dict[str, dict[str, list]] = {
         c: {**{k: [] for k in kinds}, "import_cell": [], "errors": []} for c in contenders
     }
@@ -71,6 +72,7 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
                         raw[c][kind].append(H.first_step_latency(result, world))
                         raw[c][kind + "_cell"].append(result["t1"] - result["t0"])
                         raw[c][kind + "_load"].append(load)
+                        raw[c][kind + "_function"].append(H.function_span(result, world))
             except Exception as exc:  # noqa: BLE001 - one failed run is reported, not fatal
                 raw[c]["errors"].append(f"{type(exc).__name__}: {str(exc)[-400:]}")
     out: dict[str, Any] = {
@@ -93,6 +95,9 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
             "first_load_1min": H.summary([x for x in r["first_load"] if x is not None], 2),
             "repeat_load_1min": H.summary([x for x in r["repeat_load"] if x is not None], 2),
             "import_cell_s": H.summary(r["import_cell"]),
+            # The function's own span (first rank in → last rank out) in each launch.
+            "first_function_s": H.summary(r["first_function"]),
+            "repeat_function_s": H.summary(r["repeat_function"]),
             "errors": r["errors"],
         }
     keys = ("first_launch_s", "repeat_launch_s", "first_cell_s", "repeat_cell_s")
@@ -103,4 +108,15 @@ def run(reps: int, smoke: bool, world: int, scratch: H.Scratch) -> dict[str, Any
         out[key.replace("_s", "_nbaccel_vs_accelerate")] = H.ratio(
             medians.get("nbaccel", {}).get(key), medians.get("accelerate", {}).get(key)
         )
+    # The floor of the warm-relaunch ratio: the function's own span (the shorter of the two
+    # contenders' medians) over Accelerate's whole call. A launcher that cost nothing would
+    # reach this ratio, no lower.
+    spans = [
+        e["repeat_function_s"]["median"]
+        for e in out["contenders"].values()
+        if e.get("repeat_function_s", {}).get("median") is not None
+    ]
+    out["repeat_floor_vs_accelerate"] = H.ratio(
+        min(spans, default=None), medians.get("accelerate", {}).get("repeat_cell_s")
+    )
     return out

@@ -259,7 +259,10 @@ def _render_heavy(s: dict[str, Any] | None) -> list[str]:
             f"{_num(s.get('first_cell_nbaccel_vs_accelerate'))} whole call; warm relaunch "
             f"{_num(s.get('repeat_launch_nbaccel_vs_accelerate'))} to first step, "
             f"{_num(s.get('repeat_cell_nbaccel_vs_accelerate'))} whole call (target: warm "
-            "relaunch ≤ 0.5). Load: 1-minute load average at each launch, median (min–max)."
+            "relaunch ≤ 0.5). The function's own time, first rank in to last rank out, is "
+            f"{_num(s.get('repeat_floor_vs_accelerate'))} of Accelerate's warm whole call: a "
+            "launcher that cost nothing would reach that ratio, no lower. Load: 1-minute load "
+            "average at each launch, median (min–max)."
         ],
     )
 

@@ -63,6 +63,7 @@ def _forever(loader: Any, sampler: Any = None):
 
 
 def train(cfg: dict[str, Any]) -> dict[str, Any]:
+    entered = time.time()  # the function's own span, entered → left, is no launcher's cost
     import torch
     import torch.nn.functional as F
 
@@ -127,7 +128,8 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     t_end = time.perf_counter()
     measured = steps - warmup
     rate = measured / (t_end - t_start) if t_start is not None and measured > 0 else None
-    _write(cfg, rank, {"first_step": first_step, "steps_per_s": rate, "pid": os.getpid()})
+    record = {"first_step": first_step, "steps_per_s": rate, "pid": os.getpid()}
+    _write(cfg, rank, {**record, "entered": entered, "left": time.time()})
     return {"rank": rank, "steps_per_s": rate}
 
 
