@@ -141,7 +141,10 @@ class FreshStoreRendezvous(RendezvousHandler):
 
 def _create(params: RendezvousParameters) -> FreshStoreRendezvous:
     params.config["rank"] = params.get_as_int("rank", 0)  # --rdzv-conf passes it as text
-    return FreshStoreRendezvous(create_rdzv_handler(params))
+    static = create_rdzv_handler(params)
+    if not isinstance(static, StaticTCPRendezvous):  # torch's static handler, whatever its type
+        raise TypeError(f"torch's static rendezvous handler is a {type(static).__name__}")
+    return FreshStoreRendezvous(static)
 
 
 def _create_c10d(params: RendezvousParameters) -> RendezvousHandler:

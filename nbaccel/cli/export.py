@@ -33,6 +33,7 @@ import shlex
 import textwrap
 import warnings
 from pathlib import Path
+from typing import TypeGuard
 
 from nbaccel.cli.ipython_syntax import clean_cell
 from nbaccel.core.atomic import atomic_write
@@ -50,7 +51,7 @@ class ExportError(Exception):
     """The notebook cannot be exported as asked; the message says why and what to do."""
 
 
-def _is_launcher_call(node: ast.AST) -> bool:
+def _is_launcher_call(node: object) -> TypeGuard[ast.Call]:
     if not isinstance(node, ast.Call):
         return False
     func = node.func
@@ -60,7 +61,8 @@ def _is_launcher_call(node: ast.AST) -> bool:
 
 def _launcher_calls(tree: ast.Module) -> tuple[list[ast.stmt], list[int]]:
     """Top-level statements that are (or assign) a launcher call; lines of nested ones."""
-    top, nested = [], []
+    top: list[ast.stmt] = []
+    nested: list[int] = []
     for stmt in tree.body:
         value = getattr(stmt, "value", None)
         if isinstance(stmt, (ast.Expr, ast.Assign, ast.AnnAssign)) and _is_launcher_call(value):
@@ -68,6 +70,14 @@ def _launcher_calls(tree: ast.Module) -> tuple[list[ast.stmt], list[int]]:
             continue
         nested += [n.lineno for n in ast.walk(stmt) if _is_launcher_call(n)]
     return top, nested
+
+
+def _call_in(stmt: ast.stmt) -> ast.Call:
+    """The launcher call a statement found by :func:`_launcher_calls` is or assigns."""
+    value = getattr(stmt, "value", None)
+    if not _is_launcher_call(value):
+        raise TypeError(f"line {stmt.lineno} does not call notebook_launcher")
+    return value
 
 
 def _call_parts(call: ast.Call, source: str) -> tuple[str, str, str]:
@@ -179,7 +189,7 @@ def launch_flags(call: ast.Call) -> str:
     out = []
     for name in ("num_processes", "mixed_precision"):
         node = given.get(name)
-        if isinstance(node, ast.Constant) and node.value is not None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)):
             out.append(f"--{name} {node.value} ")
     return "".join(out)
 
@@ -257,7 +267,7 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
         )
 
     script_name = path.with_suffix(".py").name
-    flags = launch_flags(found[0][1].value) if found else ""
+    flags = launch_flags(_call_in(found[0][1])) if found else ""
     parts = [HEADER.format(name=path.name, script=flags + script_name)]
     known = defined_names([tree for _, _, tree in cells])
     launched = False
@@ -272,7 +282,7 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
     for note in notes:
         warnings.warn(f"nbaccel export: {note}", ExportWarning, stacklevel=2)
         parts.insert(1, f"# Not carried over: {note}\n")
-    if not found:
+    if not found and function is not None:  # one of the two, checked above
         launch_call = f"nbaccel.notebook_launcher({function})"
         guard = main_guard(function, "()", "{}", launch_call, "")
         parts.append(f"\n# %% [added by nbaccel export]\nimport nbaccel\n\n\n{guard}\n")
@@ -282,7 +292,7 @@ def notebook_to_script(notebook: str | os.PathLike[str], function: str | None = 
 def _rewrite(
     source: str, stmt: ast.stmt, function: str | None, known: set[str], notes: list[str]
 ) -> str:
-    call = stmt.value
+    call = _call_in(stmt)
     # A keyword whose value the script never defines (set in a skip-export cell, like the
     # config panel's ``cfg``) cannot be carried over: leave it out and say so.
     dropped = []

@@ -96,7 +96,7 @@ class _Instead(argparse.Action):
 
     def __init__(self, *args: Any, instead: str, **kwargs: Any) -> None:
         self.instead = instead
-        super().__init__(*args, nargs="?", **kwargs)
+        super().__init__(*args, **{**kwargs, "nargs": "?"})
 
     def __call__(self, parser: Any, namespace: Any, value: Any, option: Any = None) -> None:
         _refuse(

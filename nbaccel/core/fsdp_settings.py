@@ -11,7 +11,7 @@ command line and the plugin share one list.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 AUTO_WRAP_CHOICES = ("no_wrap", "transformer_based_wrap", "size_based_wrap")
@@ -112,7 +112,7 @@ def check_fields(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def normalise(
-    values: dict[str, Any], checks: dict[str, Callable[[Any], Any]], flags: tuple[str, ...]
+    values: dict[str, Any], checks: Mapping[str, Callable[[Any], Any]], flags: tuple[str, ...]
 ) -> dict[str, Any]:
     """``values`` with each present key passed through its check (a ValueError is prefixed with
     the key) and each present flag read as true/false. Shared by the FSDP and DeepSpeed fields."""

@@ -22,7 +22,7 @@ import os
 import re
 import traceback
 from collections.abc import Callable, Sequence
-from types import TracebackType
+from types import FrameType, TracebackType
 
 # A traceback's frame line; faulthandler's stack dumps write it without the comma before "in"
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<name>.+))?$')
@@ -194,7 +194,7 @@ def running_cell() -> int | None:
     import sys
 
     names = _cell_numbers() or {}
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename in names:
             return names[frame.f_code.co_filename]
@@ -254,7 +254,7 @@ def render_launch_error(error: BaseException, colour: bool | None = None) -> lis
     """IPython's lines for a ``LaunchError``; a ``RankFailedError`` shows its rank's frames."""
     kind = type(error).__name__
     rank_tb = getattr(error, "remote_traceback", "") or ""
-    if hasattr(error, "rank") and hasattr(error, "summary"):
+    if hasattr(error, "rank") and hasattr(error, "summary") and hasattr(error, "world_size"):
         title = f"{kind}: rank {error.rank} (of {error.world_size}) {error.summary}"
         others = getattr(error, "other_failures", ())
         footer = ["Also failed afterwards: " + "; ".join(others)] if others else []

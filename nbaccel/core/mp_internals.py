@@ -22,7 +22,8 @@ from typing import Any
 
 def forkserver_pid() -> int | None:
     """The running fork server's pid, or ``None`` when this process has not started one."""
-    return multiprocessing.forkserver._forkserver._forkserver_pid
+    server: Any = multiprocessing.forkserver._forkserver  # its fields are CPython's private ones
+    return server._forkserver_pid
 
 
 def resource_tracker_pid() -> int | None:
@@ -60,7 +61,7 @@ def start_forkserver(preload: list[str], restart: bool, env: dict[str, str] | No
 
     ``env`` is added to the environment of a server started now; returns whether one was.
     """
-    server = multiprocessing.forkserver._forkserver
+    server: Any = multiprocessing.forkserver._forkserver
     if restart and server._forkserver_pid is not None:
         server._stop()  # a server started without these modules cannot gain them
     if server._forkserver_pid is None:
@@ -149,7 +150,7 @@ def forget_forkserver() -> None:
     would keep the server (and so itself) alive after the kernel died. A process that then
     starts processes of its own gets a fresh server.
     """
-    server = multiprocessing.forkserver._forkserver
+    server: Any = multiprocessing.forkserver._forkserver
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         try:

@@ -71,9 +71,10 @@ def _defined_as(obj: Any) -> tuple[str, str] | None:
     return _KIND_OF_TYPE[cls]
 
 
-def _with_state(cls: type, state: dict[str, Any]) -> Any:
+def _with_state(cls: type[Any], state: dict[str, Any]) -> Any:
     """Unpickle ``cls`` with ``state`` and without running ``__init__`` (pickle's default)."""
-    obj = cls.__new__(cls)
+    new: Any = cls.__new__  # whatever the class's own __new__ takes, pickle calls it so
+    obj = new(cls)
     obj.__dict__.update(state)
     return obj
 

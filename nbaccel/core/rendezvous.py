@@ -122,7 +122,9 @@ def serve_store(host: str, port: int, timeout: datetime.timedelta = STORE_TIMEOU
     Raises ``OSError`` when the address is taken."""
     import torch.distributed as dist
 
-    options = dict(is_master=True, timeout=timeout, wait_for_workers=False, multi_tenant=True)
+    options: dict[str, Any] = dict(
+        is_master=True, timeout=timeout, wait_for_workers=False, multi_tenant=True
+    )
     if not host:
         return dist.TCPStore("127.0.0.1", port, **options)
     sock = socket.socket(_family(host), socket.SOCK_STREAM)

@@ -230,8 +230,9 @@ class Packer:
         self._placed: dict[tuple[int, int], int] = {}  # (address, nbytes) -> offset
         self._copies: list[tuple[int, int, int, Any]] = []  # (offset, address, nbytes, keep)
         self._size = 0
-        self._torch = sys.modules.get("torch")
-        self._numpy = sys.modules.get("numpy")
+        # Whichever of them the process has imported (None otherwise); never imported here.
+        self._torch: Any = sys.modules.get("torch")
+        self._numpy: Any = sys.modules.get("numpy")
 
     def dumps(self, value: Any) -> bytes:
         buffer = io.BytesIO()
@@ -304,6 +305,8 @@ class Packer:
 
     def _write_result_file(self, rank: int) -> None:
         path = self._result_path
+        if path is None:
+            raise TypeError("A launch's arguments are sealed with seal(), not written as a result.")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self._size)

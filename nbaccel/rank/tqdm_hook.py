@@ -32,7 +32,7 @@ class _NullFile:
         pass
 
 
-def _patch_tqdm_class(cls: type) -> None:
+def _patch_tqdm_class(cls: Any) -> None:
     """Make every ``tqdm.std.tqdm`` (and so every subclass) report as a :class:`ProgressBar`."""
     if cls.__dict__.get("_nbaccel_patched"):
         return
@@ -150,13 +150,13 @@ def install_worker_hooks() -> None:
 def _serve_plain_tqdm() -> None:
     """Preloaded (fork start method) notebook bars: point them at the plain bar too."""
     for name in _TqdmHook._SUBSTITUTES:
-        module = sys.modules.get(name)
+        module: Any = sys.modules.get(name)
         if module is not None and getattr(module, "tqdm", None) is not None:
             # Preloaded (fork start method): point it at the plain bar too.
             from tqdm.std import tqdm, trange
 
             module.tqdm, module.trange = tqdm, trange
     if "tqdm.std" in sys.modules:
-        auto = sys.modules.get("tqdm.auto")
+        auto: Any = sys.modules.get("tqdm.auto")
         if auto is not None and any(c.__module__ == "tqdm.notebook" for c in auto.tqdm.__mro__):
             auto.tqdm = sys.modules["tqdm.std"].tqdm

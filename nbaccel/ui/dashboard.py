@@ -32,6 +32,7 @@ from typing import Any
 from nbaccel.ui import panes
 from nbaccel.ui.chart import metrics_charts
 from nbaccel.ui.launch_state import FAILED, LaunchState
+from nbaccel.ui.panes import PaneBuffer
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import summary_html, summary_text
 from nbaccel.ui.table import table_html
@@ -92,7 +93,7 @@ class Dashboard:
         no launch header either."""
         self._with_panes, self._title = panes, title
         self._state: LaunchState | None = None
-        self._outputs: dict[int, panes.PaneBuffer] = {}
+        self._outputs: dict[int, PaneBuffer] = {}
         self._dirty_panes: list[int] = []
         self._tokens = float(BURST)
         self._refilled_at = 0.0
@@ -206,10 +207,10 @@ class Dashboard:
         self._refilled_at = now
         state = self._state
         assert state is not None
-        for rank in state.ranks.values():
-            if rank.status == FAILED and rank.rank not in self._shown_failed:
-                self._shown_failed.add(rank.rank)
-                self._set(self._toggles.get(rank.rank), "index", 0, final)  # show its output
+        for rank_state in state.ranks.values():
+            if rank_state.status == FAILED and rank_state.rank not in self._shown_failed:
+                self._shown_failed.add(rank_state.rank)
+                self._set(self._toggles.get(rank_state.rank), "index", 0, final)  # its output
         self._set(self._table, "value", self._table_html(now, final), final)
         while self._dirty_panes and (final or self._tokens >= 1):
             rank = self._dirty_panes.pop(0)

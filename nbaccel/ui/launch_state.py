@@ -14,6 +14,7 @@ import os
 import statistics
 import string
 import time
+from typing import TypedDict
 
 RATE_WINDOW = 10.0  # seconds of step samples a rank's rate is measured over
 STRAGGLER_SLOWER = 0.2  # a rank this much below the median step rate is marked as a straggler
@@ -319,9 +320,9 @@ class RankState:
         if not inner:
             return self.steps, None, "steps"
         current = ([b for b in inner if not b.closed] or inner)[-1]
-        if outer and outer[-1].total and current.total:
-            epochs = outer[-1]
-            total = epochs.total * current.total
+        epochs_total = outer[-1].total if outer else None
+        if epochs_total and current.total:
+            total = epochs_total * current.total
             return min(self.steps, total), total, "steps"
         if len(inner) == 1:
             return current.n, current.total, "steps"
@@ -345,6 +346,18 @@ class RankState:
         if rate and bar is not None and bar.total is not None and not bar.closed:
             return max(0.0, (bar.total - bar.n) / rate)
         return None
+
+
+class RunFacts(TypedDict):
+    """The run as a whole, what :meth:`LaunchState.run_line` reports and the views render."""
+
+    steps: int
+    total: int | None
+    epoch: tuple[int, int | None] | None
+    steps_per_s: float | None
+    samples_per_s: float | None
+    eta: float | None
+    eta_is_run: bool
 
 
 @dataclasses.dataclass
@@ -434,7 +447,7 @@ class LaunchState:
         self.stacks_requested_at = now
         return True
 
-    def run_line(self, now: float) -> dict[str, object]:
+    def run_line(self, now: float) -> RunFacts:
         """The run as a whole: steps done/total (the slowest rank), summed rates, overall ETA."""
         ranks = self._ordered()
         progress = [r.run_progress() for r in ranks if r.bars]
