@@ -6,13 +6,14 @@ only when the import happens inside ``multiprocessing.forkserver.main``'s preloa
 """
 
 import sys
+import types
 
 from nbaccel.rank.containment import guard_server
 
 
 def in_fork_server() -> bool:
     """Whether this import runs inside ``multiprocessing.forkserver.main``'s preloading."""
-    frame = sys._getframe()
+    frame: types.FrameType | None = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == (
             "multiprocessing.forkserver"

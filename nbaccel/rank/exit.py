@@ -28,6 +28,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from nbaccel.core import events, libc, pickling
 
@@ -138,7 +139,8 @@ def close_multiprocessing() -> None:
     live: a ``Pool`` left open is terminated the way interpreter exit does it. Run after its
     workers were killed, that step waits forever for a lock a dead worker held."""
     try:
-        multiprocessing.util._run_finalizers(0)
+        util: Any = multiprocessing.util  # _run_finalizers is private, not in its stubs
+        util._run_finalizers(0)
     except Exception as exc:  # noqa: BLE001 - a failing finaliser must not change the outcome
         print(f"nbaccel: a multiprocessing finaliser failed: {exc!r}", file=sys.stderr)
 

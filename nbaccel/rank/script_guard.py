@@ -101,10 +101,10 @@ def _guard(child: int, launcher: int) -> None:
     if status is None:
         os._exit(128 + signal.SIGTERM)
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)  # elastic reports the rank as killed by the same signal
-        os._exit(128 + sig)
+        number = os.WTERMSIG(status)
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)  # elastic reports the rank as killed by the same signal
+        os._exit(128 + number)
     os._exit(os.waitstatus_to_exitcode(status))
 
 

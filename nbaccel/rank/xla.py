@@ -42,7 +42,11 @@ class _ThreadChannels:
         return getattr(_local, "rank", self._default)
 
     def send(self, event: events.Event) -> None:
-        self._channels.get(getattr(event, "rank", None), self._channels[self.rank]).send(event)
+        rank = getattr(event, "rank", None)
+        channel = self._channels.get(rank) if isinstance(rank, int) else None
+        if channel is None:  # an event that names no rank of this process: the caller's
+            channel = self._channels[self.rank]
+        channel.send(event)
 
     def has_room(self) -> bool:
         return self._channels[self.rank].has_room()
@@ -56,7 +60,8 @@ class _ThreadStream(io.TextIOBase):
         self._streams, self._default = streams, default
 
     def _target(self) -> Any:
-        return self._streams.get(getattr(_local, "rank", None), self._default)
+        rank = getattr(_local, "rank", None)
+        return self._streams.get(rank, self._default) if rank is not None else self._default
 
     def write(self, text: str) -> int:
         return self._target().write(text)
