@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -160,3 +162,21 @@ def test_interrupting_start_stops_the_ranks_and_says_so(delay):
     text = str(raised.value)
     assert "stopped" in text and "alive" not in text, text
     assert seen and _gone(seen, timeout=5)
+
+
+def test_a_script_that_used_ranks_exits_without_a_finaliser_error(tmp_path):
+    # The garbage collector finalised a stopped session at interpreter exit, after the modules
+    # were cleared, and printed "Exception ignored in: <function Ranks.__del__ ...>".
+    script = tmp_path / "uses_ranks.py"
+    script.write_text(
+        "import nbaccel\n"
+        "with nbaccel.Ranks(num_processes=2, progress=False) as ranks:\n"
+        "    ranks.run('x = torch.ones(2) * (accelerator.process_index + 1)')\n"
+        "    print(ranks.run('dist.all_reduce(x); x'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("[tensor([3., 3.]), tensor([3., 3.])]"), done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr

@@ -221,9 +221,14 @@ class Ranks:
         self.stop()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            if self._life is not None:
-                self._shutdown(grace=0)
+        # Checked first, and no module global used: at interpreter exit the collector runs this
+        # after modules were cleared (``contextlib`` is None by then) for sessions long stopped.
+        if getattr(self, "_life", None) is None:
+            return
+        try:
+            self._shutdown(grace=0)
+        except Exception:  # noqa: BLE001, S110 - a finaliser must not raise; nothing to tell
+            pass
 
     # -- commands ---------------------------------------------------------------------------
 
