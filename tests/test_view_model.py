@@ -352,6 +352,22 @@ def test_text_view_says_what_it_waits_for_once_per_change_and_when_the_wait_doub
     assert capsys.readouterr().out.count("importing torch._dynamo (11.") == 1
 
 
+def test_text_view_without_progress_does_not_say_what_it_waits_for(capsys):
+    # progress=False shows the headline and the ranks' lines only; the waiting lines leaked
+    # through it (and, in a background launch, into whatever the caller printed next).
+    from nbaccel.ui.text import TextView
+
+    state = make_state(2, t0=time.monotonic())
+    view = TextView(show_progress=False, progress_interval=0.0)
+    view.start(state)
+    assert capsys.readouterr().out.startswith("nbaccel: launching")
+    state.waiting_for, state.waiting_since = "fork server: importing torch", time.monotonic() - 3
+    view.update()
+    view.output(0, "stdout", ["hello"])
+    view.finish()
+    assert capsys.readouterr().out.splitlines() == [f"{state.info.label(0)}hello"]
+
+
 def test_text_view_prints_an_unchanged_run_line_once(capsys):
     from nbaccel.ui.text import TextView
 

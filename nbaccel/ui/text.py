@@ -159,8 +159,8 @@ class TextView:
         """What the launch waits for before its ranks run, with its seconds: when that changes
         (at most every ``progress_interval``), and each time the same wait has doubled."""
         state = self._state
-        if state is None or state.waiting_for is None:
-            self._wait_shown = ""
+        if state is None or state.waiting_for is None or not self.show_progress:
+            self._wait_shown = ""  # progress=False: the headline and the ranks' lines only
             return
         waited = state.waited(now)
         changed = state.waiting_for != self._wait_shown
