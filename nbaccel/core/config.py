@@ -58,7 +58,14 @@ def third_party_env(device: str, mixed_precision: str = "no") -> dict[str, str]:
 
 
 class ConfigError(ValueError):
-    """A configuration value or file is wrong; the message says where and what to do."""
+    """A configuration value or file is wrong; the message says where and what to do.
+
+    >>> try:
+    ...     LaunchConfig(mixed_precision="fp32")
+    ... except ConfigError as error:
+    ...     print(error)
+    mixed_precision='fp32' is not supported; choose one of 'no', 'fp16', 'bf16', 'fp8'.
+    """
 
 
 class ConfigTypeError(ConfigError, TypeError):
@@ -116,10 +123,17 @@ class LaunchConfig:
     ``num_processes`` is per machine; ``None`` means "every visible GPU, else 1".
     ``main_process_port=None`` picks a free port on single-machine launches.
 
-    Example::
+    ``nbaccel.notebook_launcher(train, config=cfg)`` launches with it; saved (``cfg.save()``,
+    the shared default file unless a path is given), ``nbaccel launch`` reads it too.
 
-        cfg = LaunchConfig(num_processes=2, mixed_precision="bf16", strategy="fsdp")
-        nbaccel.notebook_launcher(train, config=cfg)
+    >>> import tempfile, pathlib
+    >>> cfg = LaunchConfig(num_processes=2, mixed_precision="bf16", strategy="fsdp")
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = cfg.save(pathlib.Path(folder) / "nbaccel.yaml")
+    ...     LaunchConfig.load(path) == cfg
+    True
+    >>> cfg.replace(num_processes=4).num_processes
+    4
     """
 
     num_processes: int | None = None

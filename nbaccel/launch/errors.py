@@ -12,7 +12,11 @@ class UsageError(Exception):
 
 
 class LaunchError(RuntimeError):
-    """Base class for a launch that did not finish normally."""
+    """Base class for a launch that did not finish normally.
+
+    >>> issubclass(RankFailedError, LaunchError), issubclass(LaunchTimeoutError, TimeoutError)
+    (True, True)
+    """
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows: rank frames as ``Cell In[n]`` with source, no nbaccel frames."""
@@ -38,6 +42,17 @@ class RankFailedError(LaunchError):
 
     Where torch elastic's errors module is loaded (code that says ``except ChildFailedError``,
     as written for Accelerate), the error is a ``ChildFailedError`` too (``launch.child_failed``).
+
+    >>> import os, nbaccel
+    >>> def train():
+    ...     if os.environ["RANK"] == "1":
+    ...         raise ValueError("bad batch")
+    >>> try:  # doctest: +ELLIPSIS
+    ...     nbaccel.notebook_launcher(train, num_processes=2, progress=False)
+    ... except RankFailedError as error:
+    ...     print(error.rank, error.exc_type, repr(error.original))
+    nbaccel: launching 2 processes...
+    1 builtins.ValueError ValueError('bad batch')
     """
 
     def __new__(cls, *args: object, **kwargs: object) -> RankFailedError:
@@ -103,7 +118,19 @@ def _rebuild_rank_failed(rank, world_size, summary, tb, exc_type, exitcode, othe
 
 
 class LaunchTimeoutError(LaunchError, TimeoutError):
-    """The launch ran past ``timeout=``; the message lists the ranks still running and their stacks."""
+    """The launch ran past ``timeout=``; the message lists the ranks still running and their stacks.
+
+    >>> import nbaccel, time
+    >>> def wait_forever():
+    ...     while True:
+    ...         time.sleep(0.01)
+    >>> try:  # doctest: +ELLIPSIS
+    ...     nbaccel.notebook_launcher(wait_forever, num_processes=2, timeout=0.5, progress=False)
+    ... except LaunchTimeoutError as error:
+    ...     print(error.running, "in wait_forever" in error.stacks[1])
+    nbaccel: launching 2 processes...
+    [0, 1] True
+    """
 
     def __init__(self, timeout: float, running: list[int], stacks: dict[int, str]) -> None:
         self.timeout = timeout
@@ -123,7 +150,20 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
 
 
 class LaunchStoppedError(LaunchError):
-    """A background launch was stopped with ``Launch.stop()``; its ranks were stopped and reaped."""
+    """A background launch was stopped with ``Launch.stop()``; its ranks were stopped and reaped.
+
+    >>> import nbaccel, time
+    >>> launch = nbaccel.notebook_launcher(
+    ...     time.sleep, args=(60,), num_processes=2, block=False, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    >>> launch.stop()
+    >>> try:
+    ...     launch.result()
+    ... except LaunchStoppedError as error:
+    ...     print(error.world_size, launch.status)
+    2 interrupted
+    """
 
     def __init__(self, world_size: int, elapsed: float) -> None:
         self.world_size, self.elapsed = world_size, elapsed

@@ -132,12 +132,21 @@ class Launch(concurrent.futures.Future[Any]):
     launch raises), ``add_done_callback()``, ``concurrent.futures.wait([...])``, ``stop()``,
     ``await launch``, and the live ``status``/``ranks``/``metrics()``.
 
-    Example::
-
-        launch = nbaccel.notebook_launcher(train, num_processes=2, block=False)
-        launch.status             # 'running'
-        launch.metrics()[-1]      # rank 0's last nbaccel.log(...) values, e.g. {'step': 9, ...}
-        launch.result()           # waits; rank 0's return value
+    >>> import nbaccel
+    >>> def train(steps):
+    ...     for step in range(steps):
+    ...         nbaccel.log({"step": step})
+    ...     return "done"
+    >>> launch = nbaccel.notebook_launcher(
+    ...     train, args=(10,), num_processes=2, block=False, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    >>> launch.result(timeout=120)  # waits: rank 0's return value
+    'done'
+    >>> launch.done(), launch.status
+    (True, 'finished')
+    >>> launch.metrics()[-1]["step"]  # rank 0's last nbaccel.log(...) values, as floats
+    9.0
     """
 
     def __init__(self, plan: LaunchPlan, options: LaunchOptions = DEFAULTS) -> None:

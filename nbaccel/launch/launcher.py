@@ -75,14 +75,24 @@ def notebook_launcher(
     ``num_processes`` ranks on a Ray cluster instead of this machine, shown as local ones
     (see docs/multi_machine.md).
 
-    Example::
+    Example (in a notebook ``train`` is a cell's function; the lines print as they come):
 
-        def train(lr):
-            acc = nbaccel.Accelerator()
-            acc.print(f"{acc.num_processes} ranks, lr={lr}")
-            return acc.process_index
-
-        nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)   # -> 0
+    >>> import nbaccel
+    >>> def train(lr):
+    ...     acc = nbaccel.Accelerator()
+    ...     acc.print(f"{acc.num_processes} ranks, lr={lr}")
+    ...     return acc.process_index
+    >>> nbaccel.notebook_launcher(train, args=(0.1,), num_processes=2)  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes on cpu (gloo)...
+    [rank0] 2 ranks, lr=0.1
+    ...
+    0
+    >>> nbaccel.notebook_launcher(
+    ...     train, args=(0.1,), num_processes=2, return_all=True, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    [rank0] 2 ranks, lr=0.1
+    [0, 1]
     """
     __tracebackhide__ = True  # IPython leaves nbaccel's frames out of the notebook's traceback
     options = LaunchOptions(
@@ -119,9 +129,12 @@ def debug_launcher(
     """Run ``function(*args)`` on ``num_processes`` CPU processes, even where GPUs are visible:
     a quick check that distributed code works (Accelerate's ``debug_launcher``).
 
-    Example::
-
-        nbaccel.debug_launcher(train, num_processes=2)
+    >>> import os
+    >>> def world():
+    ...     return os.environ["WORLD_SIZE"]
+    >>> debug_launcher(world, num_processes=2)  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes on cpu...
+    '2'
     """
     __tracebackhide__ = True
     return launch(function, args, None, LaunchOptions(num_processes=num_processes, cpu=True))

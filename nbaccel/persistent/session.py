@@ -5,15 +5,7 @@ A :class:`Ranks` session is a normal launch whose training function is a command
 per-rank pipes as ``notebook_launcher``, plus one command socket per rank. Each rank keeps its
 own namespace, with ``accelerator = nbaccel.Accelerator()`` (the process group formed: gloo on
 CPU, NCCL with one GPU per rank), ``torch`` and ``dist`` (``torch.distributed``) ready.
-
-Example::
-
-    with nbaccel.Ranks(num_processes=2) as ranks:
-        ranks.run("x = torch.ones(2) * (accelerator.process_index + 1)")
-        ranks.run("dist.all_reduce(x); x")       # -> [tensor([3., 3.]), tensor([3., 3.])]
-        ranks.pull("x")                          # the same, tensors on the CPU
-        ranks.push(lr=0.1)
-        ranks.call(lambda: 1)                    # -> [1, 1]
+:class:`Ranks` shows it at work; ``with nbaccel.Ranks(...) as ranks:`` stops them at its end.
 """
 
 from __future__ import annotations
@@ -55,12 +47,27 @@ from nbaccel.ui.launch_state import Outcome
 
 
 class Ranks:
-    """N ranks that stay alive across cells (see the module docstring for an example).
+    """N ranks that stay alive across cells.
 
     ``num_processes``, ``mixed_precision``, ``start_method`` and ``env`` mean what they mean
     for ``notebook_launcher``; ``strategy`` ("ddp", "fsdp", ...) goes to each rank's
     Accelerator; ``timeout`` (seconds) is the default limit per cell; ``gpus`` (e.g. ``[0, 1]``)
     maps rank i to the i-th listed GPU; ``progress`` picks the view as for a launch.
+
+    >>> import nbaccel, os
+    >>> ranks = nbaccel.Ranks(num_processes=2, progress=False)
+    >>> ranks.run("x = torch.ones(2) * (accelerator.process_index + 1)")  # each rank's value
+    [None, None]
+    >>> ranks.run("dist.all_reduce(x); x")
+    [tensor([3., 3.]), tensor([3., 3.])]
+    >>> ranks.pull("x")  # the same, tensors on the CPU
+    [tensor([3., 3.]), tensor([3., 3.])]
+    >>> ranks.push(lr=0.1)  # into each rank's namespace
+    >>> ranks.run("lr * 10")
+    [1.0, 1.0]
+    >>> ranks.call(lambda: os.environ["RANK"])  # a function of the kernel's, on every rank
+    ['0', '1']
+    >>> ranks.stop()
     """
 
     def __init__(

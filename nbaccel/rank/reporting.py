@@ -285,12 +285,15 @@ def progress(
     ``total`` defaults to ``len(iterable)``; ``unit_scale`` is the number of samples per step
     (e.g. the batch size), so the dashboard can show samples/s too.
 
-    Example::
+    In a rank: ``for batch in nbaccel.progress(loader, desc="epoch 1", unit_scale=32): ...``.
+    Outside a launch (here) it draws a plain bar on stderr:
 
-        for batch in nbaccel.progress(loader, desc="epoch 1", unit_scale=32):
-            ...
-        with nbaccel.progress(total=1000) as bar:
-            bar.update(10)
+    >>> sum(progress(range(4), desc="epoch 1"))
+    6
+    >>> with progress(total=1000) as bar:
+    ...     bar.update(10)
+    >>> bar.n, bar.closed
+    (10, True)
     """
     return ProgressBar(iterable, total=total, desc=desc, unit_scale=unit_scale)
 
@@ -336,9 +339,20 @@ def log(values: dict[str, Any], step: int | None = None) -> None:
     faithful sample of the curve), a tensor is read only when it is sent (not on every call, which
     would wait for the GPU), and sending never waits for a busy kernel. NaN values are dropped.
 
-    Example::
+    In a training loop: ``nbaccel.log({"loss": loss, "lr": scheduler.get_last_lr()[0]},
+    step=step)``. What a background launch recorded, as ``launch.metrics()`` returns it:
 
-        nbaccel.log({"loss": loss, "lr": scheduler.get_last_lr()[0]}, step=step)
+    >>> import nbaccel
+    >>> def train():
+    ...     for step in range(3):
+    ...         nbaccel.log({"loss": 1 / (step + 1)}, step=step)
+    >>> launch = nbaccel.notebook_launcher(
+    ...     train, num_processes=1, block=False, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 1 process...
+    >>> launch.result(timeout=120)
+    >>> launch.metrics()[-1]
+    {'step': 2, 'loss': 0.3333333333333333}
     """
     if events._channel is None:
         return

@@ -242,10 +242,20 @@ def configure(path: os.PathLike | str | None = None) -> LaunchConfig:
     ``notebook_launcher`` and ``nbaccel launch`` read) when there is one. "save as default"
     writes the form's values there. Where widgets cannot render, the same facts print as text.
 
-    Example::
+    In a notebook: ``cfg = nbaccel.configure()``, pick bf16, 2 processes, ..., then in a later
+    cell ``nbaccel.notebook_launcher(train, config=cfg)``. Without widgets (here, a doctest):
 
-        cfg = nbaccel.configure()                    # pick bf16, 2 processes, ...
-        nbaccel.notebook_launcher(train, config=cfg)  # in a later cell
+    >>> import tempfile, pathlib
+    >>> with tempfile.TemporaryDirectory() as folder:  # doctest: +ELLIPSIS
+    ...     path = LaunchConfig(num_processes=2).save(pathlib.Path(folder) / "nbaccel.yaml")
+    ...     cfg = configure(path)
+    nbaccel launch configuration
+      hardware:
+        CPU: ...
+      num_processes: 2 (...)
+    ...
+    >>> cfg.num_processes
+    2
     """
     from nbaccel.core.config import default_config_path
     from nbaccel.ui import widget_frontend
