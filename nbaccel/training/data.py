@@ -313,9 +313,12 @@ class _SkipFirst:
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
     """A loader that skips the first ``num_batches`` batches of each epoch it runs.
 
-    Example::
+    ``skip_first_batches(train_dl, 25)`` resumes an epoch interrupted after 25 batches.
 
-        active = skip_first_batches(train_dl, 25)   # resume the interrupted epoch
+    >>> import torch
+    >>> loader = torch.utils.data.DataLoader(range(10), batch_size=2)
+    >>> [batch.tolist() for batch in skip_first_batches(loader, 3)]
+    [[6, 7], [8, 9]]
     """
     if isinstance(dataloader, _SkipFirst):
         dataloader = dataloader.loader

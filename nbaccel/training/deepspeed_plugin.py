@@ -100,9 +100,13 @@ class DeepSpeedPlugin:
       (``get_state_dict``/``save_model`` gather full weights under ZeRO-3 either way).
     - ``hf_ds_config``: a DeepSpeed config dict or JSON path used instead of the fields above.
 
-    Example::
+    ``DeepSpeedPlugin(hf_ds_config="ds_config.json")`` reads a file ("auto" values are filled
+    in at ``prepare``). The fields make the same config:
 
-        plugin = DeepSpeedPlugin(hf_ds_config="ds_config.json")   # "auto" values filled later
+    >>> plugin = DeepSpeedPlugin(zero_stage=3, gradient_clipping=1.0)
+    >>> config = plugin.deepspeed_config
+    >>> config["zero_optimization"]["stage"], config["gradient_clipping"], config["train_batch_size"]
+    (3, 1.0, 'auto')
     """
 
     hf_ds_config: Any = None

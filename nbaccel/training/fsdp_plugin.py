@@ -86,10 +86,11 @@ class FullyShardedDataParallelPlugin:
       empty (meta) before sharding and receive rank 0's values by broadcast.
     - ``sync_module_states``: broadcast rank 0's parameters and buffers before sharding.
 
-    Example::
-
-        plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="size_based_wrap",
-                                                min_num_params=1_000_000)
+    >>> plugin = FullyShardedDataParallelPlugin(
+    ...     auto_wrap_policy="size_based_wrap", min_num_params=1_000_000, mixed_precision_policy="bf16"
+    ... )
+    >>> plugin.fsdp_version, plugin.mixed_precision_policy.param_dtype
+    (2, torch.bfloat16)
     """
 
     auto_wrap_policy: str | Callable[..., bool] | None = None

@@ -71,14 +71,18 @@ def find_executable_batch_size(
 ) -> Any:
     """Decorator: call ``function(batch_size, ...)``, retrying with a smaller batch on OOM.
 
-    Example::
+    In a notebook the function frees what the failed try held (``accelerator.free_memory()``)
+    and builds its loader with ``batch_size``. Here, a pretend device that fits 40 samples:
 
-        @find_executable_batch_size(starting_batch_size=256)
-        def train(batch_size):
-            accelerator.free_memory()
-            loader = DataLoader(ds, batch_size=batch_size)
-            ...
-        train()
+    >>> tried = []
+    >>> @find_executable_batch_size(starting_batch_size=64)
+    ... def train(batch_size):
+    ...     tried.append(batch_size)
+    ...     if batch_size > 40:
+    ...         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    ...     return batch_size
+    >>> train(), tried
+    (40, [64, 57, 51, 45, 40])
     """
     if function is None:
         return functools.partial(

@@ -30,17 +30,23 @@ class KwargsHandler:
     def to_kwargs(self) -> dict[str, Any]:
         """The fields that differ from the defaults, ready to pass on as keyword arguments.
 
-        Example::
+        ``DistributedDataParallel(model, **DistributedDataParallelKwargs(bucket_cap_mb=50)
+        .to_kwargs())`` passes only that:
 
-            DistributedDataParallel(model, **DistributedDataParallelKwargs(
-                bucket_cap_mb=50).to_kwargs())
+        >>> DistributedDataParallelKwargs(bucket_cap_mb=50).to_kwargs()
+        {'bucket_cap_mb': 50}
         """
         default = type(self)().to_dict()
         return {k: v for k, v in self.to_dict().items() if default[k] != v}
 
 
 class DDPCommunicationHookType(str, enum.Enum):
-    """DDP gradient communication hooks (Accelerate's names)."""
+    """DDP gradient communication hooks (Accelerate's names), for
+    ``DistributedDataParallelKwargs(comm_hook=...)``; plain strings compare equal.
+
+    >>> DistributedDataParallelKwargs(comm_hook="fp16").comm_hook == DDPCommunicationHookType.FP16
+    True
+    """
 
     NO = "no"
     FP16 = "fp16"
@@ -53,9 +59,11 @@ class DDPCommunicationHookType(str, enum.Enum):
 class DistributedDataParallelKwargs(KwargsHandler):
     """Options for ``torch.nn.parallel.DistributedDataParallel`` (only changed ones are passed).
 
-    Example::
+    ``Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])``
+    wraps every prepared model with it:
 
-        Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    >>> DistributedDataParallelKwargs(find_unused_parameters=True).to_kwargs()
+    {'find_unused_parameters': True}
     """
 
     dim: int = 0
@@ -86,9 +94,11 @@ class DistributedDataParallelKwargs(KwargsHandler):
 class GradScalerKwargs(KwargsHandler):
     """Options for the fp16 ``torch.amp.GradScaler``.
 
-    Example::
+    ``Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])``
+    starts the loss scale at 1024:
 
-        Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
+    >>> GradScalerKwargs(init_scale=1024).to_kwargs()
+    {'init_scale': 1024}
     """
 
     init_scale: float = 65536.0
@@ -105,9 +115,12 @@ class InitProcessGroupKwargs(KwargsHandler):
     Accelerate's default "nccl", the device's own is used: gloo on CPU, NCCL on GPUs; any
     other, e.g. "gloo" on GPUs, is used as given).
 
-    Example::
+    ``Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))])``
+    gives collectives two hours:
 
-        Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))])
+    >>> from datetime import timedelta
+    >>> InitProcessGroupKwargs(timeout=timedelta(hours=2)).to_kwargs()
+    {'timeout': datetime.timedelta(seconds=7200)}
     """
 
     backend: str | None = "nccl"
@@ -119,10 +132,14 @@ class InitProcessGroupKwargs(KwargsHandler):
 class AutocastKwargs(KwargsHandler):
     """Options for ``torch.autocast`` (``enabled=False`` turns mixed precision off in a block).
 
-    Example::
-
-        with accelerator.autocast(AutocastKwargs(enabled=False)):
-            loss = exact_loss(outputs)
+    >>> import torch, nbaccel
+    >>> accelerator = nbaccel.Accelerator(cpu=True, mixed_precision="bf16")
+    >>> with accelerator.autocast():
+    ...     torch.is_autocast_enabled("cpu")
+    True
+    >>> with accelerator.autocast(AutocastKwargs(enabled=False)):  # e.g. an exact loss
+    ...     torch.is_autocast_enabled("cpu")
+    False
     """
 
     enabled: bool = True
@@ -133,10 +150,12 @@ class AutocastKwargs(KwargsHandler):
 class ProfileKwargs(KwargsHandler):
     """Options for ``torch.profiler.profile`` used by ``accelerator.profile()``.
 
-    Example::
-
-        with accelerator.profile(ProfileKwargs(activities=["cpu"], record_shapes=True)) as prof:
-            train_step()
+    >>> import torch, nbaccel
+    >>> accelerator = nbaccel.Accelerator(cpu=True)
+    >>> with accelerator.profile(ProfileKwargs(activities=["cpu"], record_shapes=True)) as prof:
+    ...     _ = torch.ones(64, 64) @ torch.ones(64, 64)
+    >>> any(event.key == "aten::matmul" for event in prof.key_averages())
+    True
     """
 
     activities: list[str] | None = None
@@ -172,11 +191,11 @@ class ProjectConfiguration:
     With ``automatic_checkpoint_naming=True``, ``save_state()`` writes
     ``<project_dir>/checkpoints/checkpoint_<iteration>`` and keeps the newest ``total_limit``.
 
-    Example::
+    ``Accelerator(project_config=config)`` uses it:
 
-        config = ProjectConfiguration("runs/exp1", automatic_checkpoint_naming=True,
-                                      total_limit=2)
-        accelerator = Accelerator(project_config=config)
+    >>> config = ProjectConfiguration("runs/exp1", automatic_checkpoint_naming=True, total_limit=2)
+    >>> config.logging_dir  # the project folder unless given
+    'runs/exp1'
     """
 
     project_dir: str | None = None
@@ -206,9 +225,18 @@ class DataLoaderConfiguration:
     ``dispatch_batches``: accepted for compatibility; every rank gets the same batches as
     Accelerate's dispatching would give it, but each rank loads its own.
 
-    Example::
-
-        Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
+    >>> import torch, nbaccel
+    >>> def batch_sizes():
+    ...     accelerator = nbaccel.Accelerator(
+    ...         dataloader_config=DataLoaderConfiguration(even_batches=False)
+    ...     )
+    ...     loader = torch.utils.data.DataLoader(list(range(10)), batch_size=4)
+    ...     return [len(batch) for batch in accelerator.prepare(loader)]
+    >>> nbaccel.notebook_launcher(
+    ...     batch_sizes, num_processes=2, return_all=True, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    [[4, 2], [4]]
     """
 
     split_batches: bool = False

@@ -65,11 +65,15 @@ class PartialState(ProcessControl):
     """Rank, world, device and backend of this process, plus the process-control methods
     (``wait_for_everyone``, ``main_process_first``, ``split_between_processes``, ``print``...).
 
-    Example::
-
-        state = PartialState()
-        with state.split_between_processes(prompts) as mine:
-            results = [generate(p) for p in mine]
+    >>> import nbaccel
+    >>> def my_prompts(prompts):
+    ...     with PartialState().split_between_processes(prompts) as mine:
+    ...         return mine  # in practice: [generate(p) for p in mine]
+    >>> nbaccel.notebook_launcher(
+    ...     my_prompts, args=(["a", "b", "c"],), num_processes=2, return_all=True, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    [['a', 'b'], ['c']]
     """
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
@@ -184,9 +188,10 @@ _ACCELERATOR_KEYS = (
 class AcceleratorState(PartialState):
     """PartialState plus the latest Accelerator's settings: mixed precision and strategy.
 
-    Example::
-
-        if AcceleratorState().mixed_precision == "fp16": ...
+    >>> import nbaccel
+    >>> _ = nbaccel.Accelerator(cpu=True, mixed_precision="bf16")
+    >>> AcceleratorState().mixed_precision, AcceleratorState().num_processes
+    ('bf16', 1)
     """
 
     mixed_precision = property(lambda self: _SHARED.get("mixed_precision", "no"))

@@ -25,7 +25,17 @@ from nbaccel.training import xla
 
 
 class DistributedType(str, enum.Enum):
-    """How the processes work together (Accelerate's names)."""
+    """How the processes work together (Accelerate's names); plain strings compare equal.
+
+    >>> import nbaccel
+    >>> def kind():
+    ...     return nbaccel.Accelerator().distributed_type
+    >>> nbaccel.notebook_launcher(kind, num_processes=2, progress=False)  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    <DistributedType.MULTI_CPU: 'MULTI_CPU'>
+    >>> DistributedType.MULTI_CPU == "MULTI_CPU"
+    True
+    """
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"

@@ -33,11 +33,20 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     use only deterministic algorithms (``torch.use_deterministic_algorithms``), which raises on
     an operation that has none.
 
-    Example::
-
-        from nbaccel import set_seed
-        set_seed(42)                          # same model init on every rank
-        set_seed(42, device_specific=True)    # rank 1 uses 43
+    >>> import nbaccel, torch
+    >>> def draw(device_specific):
+    ...     set_seed(42, device_specific=device_specific)
+    ...     return torch.randint(1000, (1,)).item()
+    >>> same = nbaccel.notebook_launcher(  # the same model init on every rank
+    ...     draw, args=(False,), num_processes=2, return_all=True, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    >>> own = nbaccel.notebook_launcher(  # rank 1 uses 43: its own augmentations
+    ...     draw, args=(True,), num_processes=2, return_all=True, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    >>> same[0] == same[1] == own[0] != own[1]
+    True
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an integer, got {seed!r}.")
@@ -130,10 +139,20 @@ def synchronize_rng_states(rng_types: Any, generator: torch.Generator | None = N
     ranks, and call this at the start of each epoch for the ``Accelerator(rng_types=...)`` they
     were given.
 
-    Example::
+    ``synchronize_rng_states(["generator"], generator=loader.generator)`` shares a loader's.
 
-        synchronize_rng_states(["torch", "python"])     # every rank now draws the same numbers
-        synchronize_rng_states(["generator"], generator=loader.generator)
+    >>> import nbaccel, os, torch
+    >>> def draw():
+    ...     nbaccel.Accelerator()  # forms the process group
+    ...     torch.manual_seed(int(os.environ["RANK"]))  # each rank its own state...
+    ...     synchronize_rng_states(["torch"])  # ...until rank 0's is given to every rank
+    ...     return torch.randint(1000, (1,)).item()
+    >>> drawn = nbaccel.notebook_launcher(
+    ...     draw, num_processes=2, return_all=True, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    >>> drawn[0] == drawn[1]
+    True
     """
     import torch.distributed as dist
 

@@ -72,6 +72,29 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     Arguments left as ``None`` take the launcher's settings (``NBACCEL_*`` variables), else the
     defaults: full precision, no accumulation, DDP. Multi-process CPU runs use gloo by themselves.
     Keywords are Accelerate's; ``strategy`` and ``even_batches`` are nbaccel's own.
+
+    >>> import nbaccel, torch
+    >>> def train():
+    ...     accelerator = nbaccel.Accelerator()
+    ...     torch.manual_seed(accelerator.process_index)  # each rank its own initial weights...
+    ...     model = torch.nn.Linear(4, 1)
+    ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ...     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    ...     loader = torch.utils.data.DataLoader(data, batch_size=4)
+    ...     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # ...rank 0's
+    ...     for x, y in loader:  # each rank gets half the batches
+    ...         loss = torch.nn.functional.mse_loss(model(x), y)
+    ...         accelerator.backward(loss)  # gradients averaged over the ranks
+    ...         optimizer.step()
+    ...         optimizer.zero_grad()
+    ...     weights = accelerator.unwrap_model(model).weight
+    ...     return accelerator.num_processes, len(loader), weights.sum().item()
+    >>> results = nbaccel.notebook_launcher(
+    ...     train, num_processes=2, return_all=True, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    >>> [r[:2] for r in results], results[0][2] == results[1][2]  # ranks ended in step
+    ([(2, 2), (2, 2)], True)
     """
 
     def __init__(
