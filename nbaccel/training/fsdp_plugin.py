@@ -138,12 +138,13 @@ class FullyShardedDataParallelPlugin:
         if names is None:
             names = _env("fsdp_transformer_cls_names_to_wrap")
         self.transformer_cls_names_to_wrap = settings.class_names(names)
-        count = self.min_num_params
+        # Each field as given, or its NBACCEL_* variable's text, before it is normalised.
+        count: int | str | None = self.min_num_params
         if count is None:
             count = _env("fsdp_min_num_params") or 0
         self.min_num_params = settings.min_params(count)
 
-        offload = self.cpu_offload
+        offload: OffloadPolicy | bool | str | None = self.cpu_offload
         if offload is None:
             offload = _env("fsdp_cpu_offload") or False
         if not isinstance(offload, OffloadPolicy):
@@ -151,7 +152,7 @@ class FullyShardedDataParallelPlugin:
             offload = CPUOffloadPolicy() if on else OffloadPolicy()
         self.cpu_offload = offload
 
-        reshard = self.reshard_after_forward
+        reshard: bool | int | str | None = self.reshard_after_forward
         if reshard is None and self.sharding_strategy is not None:
             reshard = _reshard_for(self.sharding_strategy)
         if reshard is None:
@@ -203,7 +204,9 @@ class FullyShardedDataParallelPlugin:
                     f"mixed_precision_policy has unknown keys {sorted(unknown)}; FSDP2 knows "
                     f"{sorted(known)} (buffer_dtype was FSDP1's)."
                 )
-            kwargs = {k: _dtype(k, v) for k, v in value.items() if k != "cast_forward_inputs"}
+            kwargs: dict[str, Any] = {
+                k: _dtype(k, v) for k, v in value.items() if k != "cast_forward_inputs"
+            }
             if "cast_forward_inputs" in value:
                 kwargs["cast_forward_inputs"] = bool(value["cast_forward_inputs"])
             return MixedPrecisionPolicy(**kwargs)
@@ -270,10 +273,10 @@ class FullyShardedDataParallelPlugin:
         if callable(policy):
             return _from_callable(policy)
         if policy == "size_based_wrap":
-            threshold = self.min_num_params
+            threshold = self.min_num_params or 0
             return lambda m: sum(p.numel() for p in m.parameters()) > threshold
         if policy == "transformer_based_wrap":
-            names = self.transformer_cls_names_to_wrap or list(
+            names = settings.class_names(self.transformer_cls_names_to_wrap) or list(
                 getattr(model, "_no_split_modules", None) or []
             )
             if not names:

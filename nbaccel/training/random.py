@@ -17,6 +17,7 @@ import torch
 
 from nbaccel.training.process import env_int
 
+_np: Any
 try:
     import numpy as _np
 except ImportError:  # numpy is optional for torch; seed it only where it exists
