@@ -16,7 +16,8 @@ Trainer`` in its body, a global module) go with ``HOLD`` and are waited for; aft
 ``GO`` and the rest. A thread of the :class:`Mirror` reads the server's answers as they come,
 so the server imports everything while the person writes the next cell: a launch waits only
 for imports its ranks would make themselves (the server makes each once, for every rank) and
-for the one import under way, at most :func:`import_deadline` s.
+for the one import under way, at most :func:`import_deadline` s. Outside a kernel (a script),
+only the ``HOLD`` names are sent: the packages launched functions refer to, once.
 """
 
 from __future__ import annotations
@@ -208,6 +209,11 @@ class Mirror:
         self._path = list(sys.path)
         self._write([*path, *_reload_lines(reload), " ".join([HOLD, str(number), *first])])
         self.wait_for(lambda: self.held == number, tick)
+
+    def lacks(self, names: list[str]) -> bool:
+        """Whether any of ``names`` is not imported in the server yet (or is being imported)."""
+        with self._changed:
+            return bool(self.pending) or any(n not in self.sent for n in names)
 
     def hold_words(self, first: list[str]) -> str:
         """What a :meth:`hold` for ``first`` waits for now, in words for a view's header."""

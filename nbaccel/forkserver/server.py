@@ -94,7 +94,12 @@ class ForkServer:
         self.starts = threading.Lock()
         self.modules: tuple[str, ...] = ()
         self._ready_marker: str | None = None  # exists while the server is still importing
-        self.mirror: mirror.Mirror | None = None  # the current server's, in a kernel
+        self.mirror: mirror.Mirror | None = None  # the current server's
+        # In a kernel the server mirrors everything the kernel imports, while the person reads
+        # and writes cells. A script or a terminal IPython has no such idle time: there the
+        # server imports only the packages a launched function refers to, before its ranks
+        # fork, once for every later launch (each rank imported them itself, on every launch).
+        self.mirrors_everything = False
         self.live = containment.LiveRanks()
         # Servers replaced while ranks of theirs ran: each keeps serving them, and is stopped
         # once the last has been reaped (pid -> what mp_internals.end_detached needs).
@@ -125,18 +130,18 @@ class ForkServer:
             self.modules = wanted
             fd, marker = tempfile.mkstemp(prefix="nbaccel-server-warming-")
             os.close(fd)
-            kernel_mirror = mirror.Mirror(mirror.candidates()) if in_kernel() else None
-            env = {ENV_READY_FILE: marker, **(kernel_mirror.env() if kernel_mirror else {})}
-            if kernel_mirror is not None:
+            everything = in_kernel()
+            new_mirror = mirror.Mirror(mirror.candidates() if everything else [])
+            env = {ENV_READY_FILE: marker, **new_mirror.env()}
+            if everything:  # a script's server prints where the script does
                 env[ENV_SERVER_LOG] = self._log()
             if mp_internals.start_forkserver(list(wanted), restart=restart, env=env):
                 _discard(self._ready_marker)
                 self._ready_marker = marker
-                self.mirror = kernel_mirror
+                self.mirror, self.mirrors_everything = new_mirror, everything
             else:
                 _discard(marker)
-                if kernel_mirror is not None:
-                    kernel_mirror.close()
+                new_mirror.close()
 
     def lacks(self, extra_modules: tuple[str, ...]) -> bool:
         """Whether :meth:`ensure` would restart the server (stopping every rank forked from
@@ -154,7 +159,7 @@ class ForkServer:
     ) -> Iterator[None]:
         """Around the forks of a launch's ranks: wait until the server is ready and has
         imported the kernel's modules the function refers to; afterwards let it mirror the
-        rest. ``waiting`` hears, about every :data:`~nbaccel.forkserver.mirror.TICK` s, what is
+        rest (in a kernel; elsewhere the server imports only what launched functions need). ``waiting`` hears, about every :data:`~nbaccel.forkserver.mirror.TICK` s, what is
         waited for in words, and ``None`` once the ranks are starting.
 
         A server that broke while mirroring (an import loaded CUDA, took too long, or killed
@@ -172,9 +177,11 @@ class ForkServer:
                 if current is not None and current.broken is None and current.connected():
                     if attempt == MIRROR_ATTEMPTS:
                         break
-                    held = current
                     names = names or mirror.candidates()
                     first = mirror.needed(specs, names)
+                    if not (self.mirrors_everything or current.lacks(first)):
+                        break  # a script's server has them and imports nothing else
+                    held = current
                     words = functools.partial(current.hold_words, first)
                     current.hold(first, tick=functools.partial(_tell, waiting, words))
                     if held.broken is None:
@@ -196,7 +203,7 @@ class ForkServer:
             yield
         finally:  # also after Ctrl-C while waiting: a server left holding would mirror no more
             if held is not None and held.broken is None:
-                held.go(names)
+                held.go(names if self.mirrors_everything else [])
 
     def _log(self) -> str:
         if self.log_path is None:
