@@ -125,7 +125,7 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
     ...     while True:
     ...         time.sleep(0.01)
     >>> try:  # doctest: +ELLIPSIS
-    ...     nbaccel.notebook_launcher(wait_forever, num_processes=2, timeout=0.5, progress=False)
+    ...     nbaccel.notebook_launcher(wait_forever, num_processes=2, timeout=1.5, progress=False)
     ... except LaunchTimeoutError as error:
     ...     print(error.running, "in wait_forever" in error.stacks[1])
     nbaccel: launching 2 processes...
