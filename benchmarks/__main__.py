@@ -30,6 +30,7 @@ SECTIONS = (
     "scaling",
     "heavy",
     "restart_run_all",
+    "script",
 )
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         reporting_cost,
         restart_run_all,
         scaling,
+        script_relaunch,
         step_rate,
         transfer,
     )
@@ -113,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                     results[name] = heavy_import.run(args.reps, args.smoke, args.world, scratch)
                 elif name == "restart_run_all":
                     results[name] = restart_run_all.run(args.reps, args.smoke, args.world, scratch)
+                elif name == "script":
+                    results[name] = script_relaunch.run(args.reps, args.smoke, args.world, scratch)
                 results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
                 results[name]["measured"] = {
                     "reps": args.reps,

@@ -218,6 +218,7 @@ def render(results: dict[str, Any]) -> str:
     out += render_issue15(results)
     out += _render_heavy(results.get("heavy"))
     out += _render_restart_run_all(results.get("restart_run_all"))
+    out += _render_script(results.get("script"))
     return "\n".join(out) + "\n"
 
 
@@ -374,3 +375,38 @@ def render_issue15(results: dict[str, Any]) -> list[str]:
             _scaling_row(ranks, pauses),
         )
     return out
+
+
+def _script_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        _median(e, "first_step_s"),
+        _median(e, "first_call_s"),
+        _median(e, "repeat_step_s"),
+        _median(e, "repeat_call_s"),
+        _load(e, "load_1min"),
+    ]
+
+
+def _render_script(s: dict[str, Any] | None) -> list[str]:
+    if not s:
+        return []
+    return _section(
+        s,
+        "## 11. A script (no kernel) that imported transformers, launching a function that "
+        "imports it, again and again (s, lower is better)",
+        [
+            "launcher",
+            "first launch: to first step",
+            "whole call",
+            "each later launch: to first step",
+            "whole call",
+            "load",
+        ],
+        _script_row,
+        after=[
+            "nbaccel ÷ Accelerate, a later launch's whole call (medians): "
+            f"{_num(s.get('repeat_call_nbaccel_vs_accelerate'))}. Load: 1-minute load average "
+            "at each script's start, median (min–max)."
+        ],
+    )

@@ -44,6 +44,7 @@ NUMBER_KEYS = {
     "scaling": ("first_launch_s",),
     "heavy": ("first_launch_s",),
     "restart_run_all": ("total_s",),
+    "script": ("repeat_call_s",),
 }
 
 
