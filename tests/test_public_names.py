@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import subprocess
 import sys
@@ -47,22 +46,6 @@ def test_public_name_still_importable(name):
 @pytest.mark.parametrize("name", sorted(set(nbaccel.__all__) - set(PUBLIC)))
 def test_every_newer_public_name_resolves(name):
     assert getattr(nbaccel, name) is not None
-
-
-FUNCTIONS_AND_CLASSES = sorted(
-    name
-    for name in nbaccel.__all__
-    if inspect.isfunction(getattr(nbaccel, name)) or inspect.isclass(getattr(nbaccel, name))
-)
-
-
-@pytest.mark.parametrize("name", FUNCTIONS_AND_CLASSES)
-def test_every_public_function_and_class_has_an_example_that_runs(name):
-    # The style: a short example on every user-facing docstring that runs (pytest's
-    # --doctest-modules runs it) and asserts something. 'Example::' blocks were never run.
-    assert ">>> " in (inspect.getdoc(getattr(nbaccel, name)) or ""), (
-        f"nbaccel.{name}'s docstring has no doctest example"
-    )
 
 
 def test_unknown_name_says_so():
