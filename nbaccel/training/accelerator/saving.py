@@ -75,12 +75,16 @@ class Saving(AcceleratorParts):
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The model's full state dict (FSDP shards are gathered; call it on every rank).
+        ``unwrap=False`` keeps the wrappers' names (``module.`` of DDP, ``_orig_mod.`` of
+        ``torch.compile``) as Accelerate does; FSDP and DeepSpeed give the model's own names.
 
         Example::
 
             state = accelerator.get_state_dict(model)
             accelerator.save(state, "model.pt")
         """
+        if not unwrap:
+            return self._strategy.model_state_dict(model, unwrap=False)
         return self._strategy.model_state_dict(getattr(model, "_orig_mod", model))
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
