@@ -43,6 +43,13 @@ def test_find_executable_batch_size_retries_smaller_on_oom_only(lib):
     with pytest.raises(RuntimeError, match="shape mismatch"):
         broken()  # anything but an OOM propagates at once
 
+    @_find(lib)(starting_batch_size=2)
+    def never(batch_size):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    with pytest.raises(RuntimeError, match=r"^No executable batch size found, reached zero\."):
+        never()  # Accelerate's words first: ported code matches on them
+
 
 @pytest.mark.slow  # the profiler starts up
 def test_profile_free_memory_and_handlers(tmp_path):
