@@ -165,7 +165,7 @@ def _writes_folder(acc: AcceleratorParts, final: Path) -> bool:
     temporary folder, as Accelerate's tests do), the first rank of each, so every folder is a
     whole checkpoint, swapped in as one. Collective: every rank asks, and every rank refuses
     alike where a rank holds only part of the state."""
-    folders = ops.gather_object(os.path.abspath(final))
+    folders = ops.gather_object([os.path.abspath(final)])
     if len(set(folders)) == 1:
         return acc.is_main_process
     strategy = acc.prepared().strategy

@@ -2,8 +2,9 @@
 even last batches, batches on the right device, and a position that checkpoints can resume.
 
 Which indices each rank gets is planned in ``sharding``; this module wraps the user's loader
-around that plan, tracks the epoch and position, and tells the gradient state when the last
-batch comes (for accumulation and ``gather_for_metrics``).
+around that plan, tracks the epoch and position, and says when the last batch comes
+(``end_of_dataloader``, ``remainder``: the gradient state reads them from the loader being
+iterated, for accumulation and ``gather_for_metrics``).
 
 >>> from torch.utils.data import DataLoader
 >>> from nbaccel.training.data_compat import prepare_data_loader
@@ -194,7 +195,7 @@ class PreparedDataLoader:
             own = self.original.generator is not None or self._skip
             self._loader.generator = self._generator if own else None
         source = self._loader if self._sampler is not None else self._dealt(self._skip)
-        self.end_of_dataloader, self.remainder = False, self._last_step_size()
+        self.end_of_dataloader, self.remainder = False, self._first_remainder()
         self.position, self._skip = self._skip, 0
         if not self._gs.iterating:  # an epoch: the step count's total, where that is progress
             total = len(self) if self._sampler is not None else None
@@ -211,10 +212,12 @@ class PreparedDataLoader:
             if self._sampler is not None:
                 # The sampler planned the epoch before the loader fetched this first batch.
                 batch, last = item, self.position == self._sampler.planned
-                remainder = self._final_remainder() if last else None
+                if last:
+                    self._final_remainder()
             else:
                 batch, last, remainder = item
-            self._gs.at_loader_end, self._gs.remainder = last, remainder
+                if last and remainder is not None:
+                    self.remainder = remainder
             self.end_of_dataloader = last
             if self._place:
                 batch = ops.send_to_device(batch, self._state.device, self._non_blocking)
@@ -223,18 +226,23 @@ class PreparedDataLoader:
             yield batch
         if self._state.device.type == "xla":
             xla.sync()
-        self._gs.at_loader_end, self._gs.remainder = False, None
         self.epoch, self.position = self.epoch + 1, 0
 
-    def _final_remainder(self) -> int:
-        """What ``gather_for_metrics`` keeps of the last step's gather, as Accelerate's
-        ``remainder`` there: the step's real samples when dispatching, else the dataset's
-        length modulo ``total_batch_size`` (0 or -1: keep everything)."""
+    def _first_remainder(self) -> int:
+        """``remainder`` while an epoch runs, as Accelerate's loaders have it: the last step's
+        size for a loader of a map-style dataset; -1 for one it would dispatch (its dataset has
+        no ``batch_size``) and for a stream, which learn it at their last batch."""
+        if isinstance(self, DataLoaderDispatcher) or self._sampler is None:
+            return -1
+        return self._last_step_size()
+
+    def _final_remainder(self) -> None:
+        """At the last batch: what ``gather_for_metrics`` keeps of the last step's gather, as
+        Accelerate's ``remainder`` there: the step's real samples when dispatching, else the
+        dataset's length modulo ``total_batch_size`` (0 or -1: keep everything)."""
         dispatched = self._sampler.remainder if self._sampler is not None else None
         if dispatched is not None:
             self.remainder = dispatched
-            return dispatched
-        return self.remainder
 
     def _dealt(self, skip: int) -> Iterator[tuple[Any, bool, int | None]]:
         """Iterable datasets: every rank reads the stream and takes its even share of each

@@ -28,7 +28,7 @@ def deal(
     batches: Iterable[Any], world: int, rank: int, drop_last: bool = False
 ) -> Iterator[tuple[Any, bool, int | None]]:
     """Yield ``(batch, is_last, remainder)`` for this rank; ``remainder`` is the number of real
-    samples in the last global step when it was padded, else None.
+    samples in the last global step (Accelerate's dispatcher's ``remainder`` there), else None.
 
     Example::
 
@@ -47,14 +47,13 @@ def deal(
         if first is None:
             first = round_[0]
         if len(round_) == world and len(set(sizes)) == 1:
-            yield round_[rank], last, None
+            yield round_[rank], last, sum(sizes) if last else None
         else:  # the last, incomplete step: concatenate, even out, split
             whole, real = _concat(round_), sum(sizes)
             per = -(-real // world)  # ceil: each rank's share
             while _size(whole) < per * world:
                 whole = _concat([whole, _slice(first, 0, per * world - _size(whole))])
-            padded = real if real != per * world else None
-            yield _slice(whole, rank * per, (rank + 1) * per), True, padded
+            yield _slice(whole, rank * per, (rank + 1) * per), True, real
         round_ = upcoming
 
 

@@ -158,7 +158,11 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             deepspeed_plugin=self.deepspeed_plugin,
         )
         self._gs = GradientState(
-            accumulation_steps=opts.steps, sync_each_batch=opts.sync_each_batch
+            accumulation_steps=opts.steps,
+            sync_each_batch=opts.sync_each_batch,
+            sync_with_dataloader=opts.sync_with_dataloader,
+            plugin_adjust_scheduler=opts.adjust_scheduler,
+            steps_given=opts.steps_given,
         )
         self.gradient_state = self._gs  # Accelerate's public name for the same object
         settings_report.report_settings(
@@ -176,7 +180,6 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self.native_amp = self._precision.name in ("fp16", "bf16")
         self.has_lomo_optimizer = False
         self.flag_tensor: torch.Tensor | None = None  # set_trigger/check_trigger
-        self.step = 0  # tracker step counter, as in Accelerate
         self._registry = Registry()
         self._save_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
         self._load_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
@@ -200,7 +203,26 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     mixed_precision = property(lambda self: self._precision.name)
     fp8_enabled = property(lambda self: self._precision.name == "fp8")
     fp8_backend = property(lambda self: "AO" if self._precision.name == "fp8" else None)
-    gradient_accumulation_steps = property(lambda self: self._gs.accumulation_steps)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step (settable, as in Accelerate)."""
+        return self._gs.accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self._gs.accumulation_steps, self._gs.steps_given = steps, True
+
+    @property
+    def step(self) -> int:
+        """Accelerate's counter of ``accumulate()`` calls: back to 0 at the end of a loader (and
+        on ``free_memory``); saved with the random states by ``save_state``."""
+        return self._gs.micro_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._gs.micro_step = value
+
     sync_gradients = property(lambda self: self._gs.sync_gradients)
     scaler = property(lambda self: self._precision.scaler, doc="The fp16 GradScaler, or None.")
     strategy = property(
@@ -223,8 +245,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (fp16 found inf/NaN gradients)."""
-        return self._gs.optimizer_step_was_skipped
+        """Whether a prepared optimizer's last step was skipped (fp16 found inf/NaN
+        gradients)."""
+        return any(getattr(opt, "step_was_skipped", False) for opt in self._registry.optimizers)
 
     def __repr__(self) -> str:
         return (

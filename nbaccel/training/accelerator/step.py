@@ -56,7 +56,8 @@ class TrainingStep(AcceleratorParts):
         """Accumulate gradients over ``gradient_accumulation_steps`` micro-steps.
 
         Gradients are synchronised (and optimizer/scheduler step) only on the last micro-step
-        of each group, and on the last batch of a prepared DataLoader. With
+        of each group, and on the last batch of a prepared DataLoader (unless
+        ``GradientAccumulationPlugin(sync_with_dataloader=False)``). With
         ``GradientAccumulationPlugin(sync_each_batch=True)`` every backward all-reduces (less
         memory with large models), while the optimizer still steps once per group.
 
@@ -68,10 +69,11 @@ class TrainingStep(AcceleratorParts):
                 optimizer.zero_grad()
         """
         gs = self._gs
-        gs.micro_step += 1
-        gs.sync_gradients = gs.micro_step % gs.accumulation_steps == 0 or gs.at_loader_end
-        if gs.at_loader_end:
-            gs.micro_step = 0  # the next epoch starts a fresh accumulation group
+        if gs.sync_with_dataloader and gs.end_of_dataloader:
+            gs.micro_step, gs.sync_gradients = 0, True  # the next epoch starts a fresh group
+        else:
+            gs.micro_step += 1
+            gs.sync_gradients = gs.micro_step % gs.accumulation_steps == 0
         with contextlib.ExitStack() as stack:
             if not gs.sync_gradients and not gs.sync_each_batch:
                 for model in models:
