@@ -191,3 +191,54 @@ print(gather_object("ab"), acc.gather_for_metrics(("a", 1)))
 
 def test_one_plain_process_prints_what_accelerate_prints():
     assert _plain("nbaccel") == _plain("accelerate")
+
+
+def tracking(lib: str, folder: str):
+    """log_with="tensorboard": a run's config and logged values of every kind, read back."""
+    import glob
+    import importlib
+    import os
+
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = importlib.import_module(lib).Accelerator(
+        cpu=True, log_with="tensorboard", project_dir=folder
+    )
+    acc.init_trackers("run", config={"lr": 0.1, "batch": 4, "name": "x"})
+    for step in range(2):
+        values = {
+            "loss": 1.0 / (step + 1),
+            "t": torch.tensor(2.0),
+            "note": "text",
+            "pair": {"a": 1},
+        }
+        acc.log(values, step=step)
+    acc.end_training()
+    if not acc.is_main_process:
+        return None
+    read = {}
+    for events in sorted(glob.glob(f"{folder}/**/events.out*", recursive=True)):
+        where = os.path.relpath(os.path.dirname(events), folder)
+        if where.count("/") == 1 and where[4:5].isdigit():
+            where = "run/<time>"  # add_hparams' own folder
+        found = EventAccumulator(os.path.dirname(events))
+        found.Reload()
+        scalars = {
+            t: [(e.step, e.value) for e in found.Scalars(t)] for t in found.Tags()["scalars"]
+        }
+        read[where] = (scalars, found.Tags()["tensors"])
+    configs = [yaml.safe_load(open(f)) for f in glob.glob(f"{folder}/run/*/hparams.yml")]
+    return read, configs
+
+
+def test_tensorboard_tracking_writes_what_accelerate_writes(tmp_path):
+    ours, theirs = (
+        run_as(lib, tracking, 2, folder=str(tmp_path / lib))[0] for lib in ("nbaccel", "accelerate")
+    )
+    assert ours == theirs
+    read, configs = ours
+    assert read["run"][0]["loss"] == [(0, 1.0), (1, 0.5)] and read["run"][1] == [
+        "note/text_summary"
+    ]
+    assert configs == [{"lr": 0.1, "batch": 4, "name": "x"}]
