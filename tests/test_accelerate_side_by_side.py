@@ -171,26 +171,35 @@ def test_gathering_splitting_and_saving_match_accelerate(tmp_path):
     assert len(ours[0]["shards"][0]) == 4  # 3 shards and the index
 
 
-def _plain(lib: str) -> str:
+def _plain(lib: str, folder: str) -> str:
     """What a plain process (no launcher: one process, DistributedType.NO) prints."""
     script = f"""
 import torch, {lib} as lib
-from {lib}.utils import gather_object
-acc = lib.Accelerator(cpu=True)
+from {lib}.utils import gather_object, ProjectConfiguration
+config = ProjectConfiguration({folder!r}, automatic_checkpoint_naming=True)
+acc = lib.Accelerator(cpu=True, project_config=config)
 print(acc.state)
 print(acc.gradient_state)
 items = ["a", "b"]
 with acc.split_between_processes(items) as part:
     print(part is items)
 print(gather_object("ab"), acc.gather_for_metrics(("a", 1)))
+acc.prepare(torch.nn.Linear(1, 1))
+acc.save_state()
+acc.save_state()
+acc.project_configuration.iteration = 0  # as a run resumed in a new process starts
+acc.load_state()  # the newest, checkpoint_1
+print("after load_state:", acc.save_iteration)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
-def test_one_plain_process_prints_what_accelerate_prints():
-    assert _plain("nbaccel") == _plain("accelerate")
+def test_one_plain_process_prints_what_accelerate_prints(tmp_path):
+    ours, theirs = (_plain(lib, str(tmp_path / lib)) for lib in ("nbaccel", "accelerate"))
+    assert ours == theirs
+    assert ours.endswith("after load_state: 0\n")  # the save counter is the user's to set
 
 
 def tracking(lib: str, folder: str):

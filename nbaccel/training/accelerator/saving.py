@@ -205,11 +205,9 @@ class Saving(AcceleratorParts):
             target = found[-1][1]
         else:
             target = self._checkpoint_dir(input_dir)
+        # The save counter (save_iteration) stays as it is, as in Accelerate: a run resumed in a
+        # new process sets project_configuration.iteration itself before it saves again.
         path = checkpoint.load_state(self, target, list(self._load_model_state_pre_hook.values()))
-        if self.project_configuration.automatic_checkpoint_naming:
-            match = re.search(r"checkpoint_(\d+)$", Path(path).name)
-            if match:  # continue numbering after the loaded one, as Accelerate does
-                self.project_configuration.iteration = int(match.group(1)) + 1
         return str(path)
 
     def _checkpoint_dir(self, directory: Any) -> Path:
