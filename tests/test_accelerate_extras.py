@@ -91,6 +91,26 @@ def test_unscale_gradients_gives_true_gradients_once():
     opt.step()
 
 
+def test_fp16_clipping_every_micro_step_is_refused_not_mixed():
+    # Clipping unscales; a backward after it adds scaled gradients to unscaled ones. torch's
+    # GradScaler refuses the second unscale under Accelerate; nbaccel refuses it too, with how.
+    acc = nbaccel.Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2)
+    model = torch.nn.Linear(3, 1)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with acc.accumulate(model):
+        acc.backward(model(torch.ones(2, 3)).float().sum())
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+    with acc.accumulate(model):
+        acc.backward(model(torch.ones(2, 3)).float().sum())
+        with pytest.raises(RuntimeError, match="only when accelerator.sync_gradients"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()  # the step ends it: the next group unscales again
+    opt.zero_grad()
+    with acc.accumulate(model):
+        acc.backward(model(torch.ones(2, 3)).float().sum())
+        assert acc.clip_grad_norm_(model.parameters(), 1.0) is not None
+
+
 def test_save_model_bin_and_get_state_dict(tmp_path):
     from nbaccel.utils import load_checkpoint_in_model
 

@@ -1,7 +1,8 @@
 """The same loop under nbaccel and under Accelerate (the pinned test-only dependency), on 2 real
 gloo ranks and in a plain process, must give the same values: the gradient state's counters and
 flags step by step (``accelerator.step``, ``end_of_dataloader``, ``remainder``, with a loop
-nested in another and with ``sync_with_dataloader=False``), what ``print(accelerator.state)``
+nested in another and with ``sync_with_dataloader=False``), clipping inside ``accumulate()``
+(the gradient norms and the weights), TensorBoard's files, what ``print(accelerator.state)``
 shows, what ``gather_object``/``gather_for_metrics`` return for objects that are not lists,
 ``split_between_processes`` of dicts and strings, ``get_state_dict(unwrap=False)`` and
 ``save_model``'s shard files. Each check was a difference once; each test runs one launch per
@@ -77,6 +78,23 @@ def accumulation(lib: str) -> dict:
                 model(x).sum().backward()
             out["across_epochs"].append((acc.step, acc.sync_gradients))
     out["plugin"] = str(acc.gradient_state)
+
+    # Clipping at every micro-step, synced or not: Accelerate clips each time.
+    utils.set_seed(0)
+    acc = mod.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = TensorDataset(torch.randn(16, 3) * 5, torch.randn(16, 2))
+    model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=2))
+    out["clipped"] = []
+    for x, y in loader:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            norm = acc.clip_grad_norm_(model.parameters(), 0.1)
+            out["clipped"].append((norm, acc.clip_grad_value_(model.parameters(), 0.05)))
+            opt.step()
+            opt.zero_grad()
+    out["clipped weights"] = [p.detach().clone() for p in model.parameters()]
     return _lists(out)
 
 
@@ -89,6 +107,7 @@ def test_accumulation_and_loader_state_match_accelerate():
     assert steps[-1][:2] == (0, True)  # it synced, and the count starts again
     assert ours[0]["state"].startswith("Distributed environment: DistributedType.MULTI_CPU")
     assert ours[0]["across_epochs"][2:4] == [(3, False), (4, True)]  # a group spans epochs
+    assert all(norm is not None for norm, _ in ours[0]["clipped"])  # mid-group too
 
 
 class _Stream(IterableDataset):

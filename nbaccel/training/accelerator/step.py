@@ -185,29 +185,31 @@ class TrainingStep(AcceleratorParts):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor | None:
-        """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware).
+        """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware) and
+        return it. It clips whenever it is called, as Accelerate's does: inside
+        ``accumulate()`` a micro-step's gradients are partial (and local), so clip where
+        ``accelerator.sync_gradients`` is True.
 
         Example::
 
             accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
             optimizer.step()
         """
-        if not self._gs.sync_gradients:
-            return None  # gradients are partial mid-accumulation; clip once they are complete
         self.unscale_gradients()
         return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16).
+        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16),
+        whenever it is called (as :meth:`clip_grad_norm_`).
 
         Example::
 
             accelerator.clip_grad_value_(model.parameters(), clip_value=0.5)
         """
-        if self._gs.sync_gradients:
-            self.unscale_gradients()
-            torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     @contextlib.contextmanager
     def profile(
