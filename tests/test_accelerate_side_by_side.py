@@ -118,6 +118,46 @@ class _Stream(IterableDataset):
         return iter(torch.arange(float(self.n)))
 
 
+class _SizedStream(_Stream):
+    def __len__(self) -> int:
+        return self.n
+
+
+def streams(lib: str) -> dict:
+    """IterableDataset loaders under dispatch_batches None/False and split_batches: each
+    rank's batches, gather_for_metrics, the remainder, the end flags and len()."""
+    import importlib
+
+    mod, utils = importlib.import_module(lib), importlib.import_module(f"{lib}.utils")
+    out = {}
+    for dispatch in (None, False):
+        for split in (False, True):
+            for kind in (_Stream, _SizedStream):
+                for n in (7, 12):
+                    config = utils.DataLoaderConfiguration(
+                        dispatch_batches=dispatch, split_batches=split
+                    )
+                    acc = mod.Accelerator(cpu=True, dataloader_config=config)
+                    loader = acc.prepare(DataLoader(kind(n), batch_size=4))
+                    seen = [
+                        (x, acc.gather_for_metrics(x), acc.gradient_state.remainder) for x in loader
+                    ]
+                    size = len(loader) if kind is _SizedStream else None
+                    ends = loader.end_of_dataloader
+                    out[f"{dispatch} {split} {kind.__name__} {n}"] = (seen, size, ends)
+    return _lists(out)
+
+
+def test_iterable_loaders_deal_and_gather_as_accelerate():
+    ours, theirs = (run_as(lib, streams, 2) for lib in ("nbaccel", "accelerate"))
+    assert ours == theirs
+    # split_batches cuts each batch of 4 in two; sharded samples pad from the start, unsized
+    seen, size, _ = ours[0]["None True _SizedStream 7"]
+    assert [x[2] for x, _, _ in seen] == [[0.0, 1.0], [4.0, 5.0]] and size == 2
+    seen, _, _ = ours[1]["False False _Stream 12"]
+    assert [x[2] for x, _, _ in seen] == [[4.0, 5.0, 6.0, 7.0], [0.0, 1.0, 2.0, 3.0]]
+
+
 def gathering(lib: str, folder: str) -> dict:
     """gather_object/gather_for_metrics of objects, loaders' remainders, splitting, state
     dicts and shard files."""

@@ -75,9 +75,20 @@ class PreparedDataLoader:
         self._state, self._gs, self._place = state, gradient_state, device_placement
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch, self.position, self._skip = 0, 0, 0
+        self._split = split_batches
         if self._iterable:
             self._sampler = None
-            self._loader = loader
+            world, size = state.num_processes, loader.batch_size
+            if split_batches and size is not None and size % world:
+                raise ValueError(
+                    f"split_batches=True needs the DataLoader's batch_size ({size}) to be a "
+                    f"multiple of the number of processes ({world}); change batch_size or use "
+                    "split_batches=False (each rank then loads batches of that size)."
+                )
+            if isinstance(self, DataLoaderDispatcher) or size is None:
+                self._loader = loader
+            else:  # dispatch_batches=False: Accelerate shards the samples, then batches them
+                self._loader = _sample_shards(loader, world, state.process_index, split_batches)
         else:
             self._sampler = ShardedBatchSampler(
                 loader,
@@ -92,7 +103,12 @@ class PreparedDataLoader:
             # A resumed epoch made that draw before the checkpoint, so it draws from this one.
             self._generator = torch.Generator()
             self._loader = _rebuild(loader, self._sampler, self._generator)
-        self.batch_size = self._sampler.per_rank if self._sampler is not None else loader.batch_size
+        if self._sampler is not None:
+            self.batch_size = self._sampler.per_rank
+        elif split_batches and loader.batch_size is not None:
+            self.batch_size = loader.batch_size // state.num_processes
+        else:
+            self.batch_size = loader.batch_size
         # Accelerate's DataLoaderShard state: whether the batch just yielded is the epoch's
         # last, and how many samples the last step has over all ranks (-1: unknown).
         self.end_of_dataloader, self.remainder = False, -1
@@ -142,10 +158,16 @@ class PreparedDataLoader:
         return getattr(self.original, name)
 
     def __len__(self) -> int:
-        if self._sampler is None:  # as iterable.deal: a last incomplete step unless drop_last
-            whole, world = len(self.original), self._state.num_processes
-            return whole // world if self.original.drop_last else -(-whole // world)
-        return len(self._sampler)
+        if self._sampler is not None:
+            return len(self._sampler)
+        if self._loader is not self.original:  # sample shards: their loader's own count
+            return len(self._loader)
+        # as iterable.deal: a step per batch with split_batches, else per `world` batches, a
+        # last incomplete step unless drop_last
+        whole, world = len(self.original), self._state.num_processes
+        if self._split:
+            return whole
+        return whole // world if self.original.drop_last else -(-whole // world)
 
     @property
     def even_batches(self) -> bool:
@@ -232,6 +254,14 @@ class PreparedDataLoader:
         """``remainder`` while an epoch runs, as Accelerate's loaders have it: the last step's
         size for a loader of a map-style dataset; -1 for one it would dispatch (its dataset has
         no ``batch_size``) and for a stream, which learn it at their last batch."""
+        if self._loader is not self.original and self._sampler is None:
+            # Accelerate's sample shards: their length over their batch size, which always
+            # divides it (so 0: nothing cut), unless unknown or dropped.
+            try:
+                len(self.original.dataset)  # type: ignore[arg-type]
+            except TypeError:
+                return -1
+            return -1 if self.original.drop_last else 0
         if isinstance(self, DataLoaderDispatcher) or self._sampler is None:
             return -1
         return self._last_step_size()
@@ -248,7 +278,11 @@ class PreparedDataLoader:
         """Iterable datasets: every rank reads the stream and takes its even share of each
         ``world`` batches, the last step padded from the start (``iterable.deal``)."""
         world, rank = self._state.num_processes, self._state.process_index
-        steps = iterable.deal(self._loader, world, rank, drop_last=self._loader.drop_last)
+        if self._loader is not self.original:  # already this rank's batches (sample shards)
+            return itertools.islice(iterable.ahead(self._loader), skip, None)
+        steps = iterable.deal(
+            self._loader, world, rank, drop_last=self._loader.drop_last, split_batches=self._split
+        )
         return itertools.islice(steps, skip, None)
 
 
@@ -268,6 +302,29 @@ def loader_class(loader: DataLoader, dispatch_batches: bool | None) -> type[Prep
     if dispatch_batches is None:
         dispatch_batches = isinstance(loader.dataset, IterableDataset)
     return DataLoaderDispatcher if dispatch_batches else DataLoaderShard
+
+
+def _sample_shards(loader: DataLoader, world: int, rank: int, split: bool) -> DataLoader:
+    """The loader over this rank's samples of its stream (``iterable.SampleShard``), in
+    batches of its share of a step, with the loader's workers, collate and pinning."""
+    size = loader.batch_size
+    assert size is not None
+    shard = iterable.SampleShard(loader.dataset, size, loader.drop_last, world, rank, split)
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(
+        shard, batch_size=size // world if split else size, drop_last=loader.drop_last, **kwargs
+    )
 
 
 def _rebuild(
