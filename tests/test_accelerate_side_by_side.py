@@ -186,6 +186,11 @@ def gathering(lib: str, folder: str) -> dict:
         (dispatcher.gradient_state.remainder, dispatcher.gather_for_metrics(x)) for (x,) in loader
     ]
     out["outside"] = (acc.gradient_state.remainder, acc.gradient_state.end_of_dataloader)
+    kinds = [isinstance(loader, DataLoader), type(loader).__name__, loader.__class__.__name__]
+    counts = [loader.iteration]
+    list(loader)
+    loader.set_epoch(5)
+    out["loader"] = (kinds, [*counts, loader.iteration])
 
     given = {"a": [1, 2, 3], "b": torch.arange(3), "c": "xyz"}
     with acc.split_between_processes(given, apply_padding=True) as part:
@@ -227,6 +232,7 @@ def test_gathering_splitting_and_saving_match_accelerate(tmp_path):
     )
     assert ours[0]["stream 7"][-1][:2] == (3, 3) and ours[0]["stream 7"][0][:2] == (-1, -1)
     assert ours[0]["wrapped names"] == ["module.weight", "module.bias"]
+    assert ours[0]["loader"] == ([True, "DataLoaderDispatcher", "DataLoader"], [1, 5])
     assert len(ours[0]["shards"][0]) == 4  # 3 shards and the index
 
 

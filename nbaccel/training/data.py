@@ -157,6 +157,17 @@ class PreparedDataLoader:
             raise AttributeError(name)
         return getattr(self.original, name)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The loader's class, so ``isinstance(loader, DataLoader)`` holds as for Accelerate's
+        prepared loaders (its ``DataLoaderAdapter`` answers the same); ``type(loader)`` is
+        still ``DataLoaderShard``/``DataLoaderDispatcher``."""
+        return type(self.original)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle's default reads __class__ (the DataLoader's, above): rebuild by the real type.
+        return (_restore, (type(self), self.__dict__))
+
     def __len__(self) -> int:
         if self._sampler is not None:
             return len(self._sampler)
@@ -181,6 +192,15 @@ class PreparedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at ``epoch`` (only for loops that count epochs themselves)."""
+        self.epoch = epoch
+
+    @property
+    def iteration(self) -> int:
+        """The epoch the next iteration runs (Accelerate's name; settable, as ``set_epoch``)."""
+        return self.epoch
+
+    @iteration.setter
+    def iteration(self, epoch: int) -> None:
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
@@ -295,6 +315,13 @@ class DataLoaderDispatcher(PreparedDataLoader):
     """Accelerate's name for a prepared loader it would dispatch from the main process
     (``dispatch_batches=True``, the default for an IterableDataset). nbaccel's ranks each read
     their share instead; the batches are the same."""
+
+
+def _restore(cls: type[PreparedDataLoader], state: dict[str, Any]) -> PreparedDataLoader:
+    """A pickled prepared loader, rebuilt (``PreparedDataLoader.__reduce_ex__``)."""
+    loader = object.__new__(cls)
+    loader.__dict__.update(state)
+    return loader
 
 
 def loader_class(loader: DataLoader, dispatch_batches: bool | None) -> type[PreparedDataLoader]:
