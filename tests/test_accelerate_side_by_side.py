@@ -322,3 +322,34 @@ def test_tensorboard_tracking_writes_what_accelerate_writes(tmp_path):
         "note/text_summary"
     ]
     assert configs == [{"lr": 0.1, "batch": 4, "name": "x"}]
+
+
+def local_sgd(lib: str) -> dict:
+    """LocalSGD: ranks train apart (no gradient all-reduce) and average every 3 steps."""
+    import importlib
+
+    mod, utils = importlib.import_module(lib), importlib.import_module(f"{lib}.utils")
+    LocalSGD = importlib.import_module(f"{lib}.local_sgd").LocalSGD
+    utils.set_seed(0)
+    acc = mod.Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=2))
+    weights = []
+    with LocalSGD(acc, model, local_sgd_steps=3) as averaging:
+        for x, y in loader:
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            averaging.step()
+            weights.append(acc.unwrap_model(model).weight.detach().clone())
+    final = acc.unwrap_model(model).weight.detach().clone()
+    return _lists({"weights": weights, "final": final, "steps": averaging.num_steps})
+
+
+def test_local_sgd_averages_as_accelerate():
+    ours, theirs = (run_as(lib, local_sgd, 2) for lib in ("nbaccel", "accelerate"))
+    assert ours == theirs
+    assert ours[0]["weights"][2] == ours[1]["weights"][2]  # averaged at step 3
+    assert ours[0]["weights"][0] != ours[1]["weights"][0]  # apart before
