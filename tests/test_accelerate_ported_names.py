@@ -27,6 +27,8 @@ MODULE_PATHS = {
     "tracking": ["GeneralTracker", "on_main_process", "TensorBoardTracker", "WandBTracker"],
     "state": ["PartialState", "AcceleratorState", "DistributedType"],
     "local_sgd": ["LocalSGD"],
+    "optimizer": ["AcceleratedOptimizer"],
+    "scheduler": ["AcceleratedScheduler"],
 }
 
 

@@ -345,7 +345,14 @@ def local_sgd(lib: str) -> dict:
             averaging.step()
             weights.append(acc.unwrap_model(model).weight.detach().clone())
     final = acc.unwrap_model(model).weight.detach().clone()
-    return _lists({"weights": weights, "final": final, "steps": averaging.num_steps})
+    schedule = acc.prepare(torch.optim.lr_scheduler.StepLR(opt.optimizer, 1))
+    kinds = (
+        isinstance(opt, importlib.import_module(f"{lib}.optimizer").AcceleratedOptimizer),
+        isinstance(schedule, importlib.import_module(f"{lib}.scheduler").AcceleratedScheduler),
+    )
+    return _lists(
+        {"weights": weights, "final": final, "steps": averaging.num_steps, "kinds": kinds}
+    )
 
 
 def test_local_sgd_averages_as_accelerate():
