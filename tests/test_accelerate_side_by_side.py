@@ -260,6 +260,11 @@ from {lib}.utils import ProfileKwargs
 with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir={folder!r} + "/trace")):
     torch.ones(2) + 1
 print(os.listdir({folder!r} + "/trace"))
+for wrong in (lambda: acc.load_state({folder!r} + "/missing"), lambda: acc.register_for_checkpointing(1)):
+    try:
+        wrong()
+    except ValueError as caught:  # what ported code catches
+        print("ValueError")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -270,7 +275,7 @@ def test_one_plain_process_prints_what_accelerate_prints(tmp_path):
     ours, theirs = (_plain(lib, str(tmp_path / lib)) for lib in ("nbaccel", "accelerate"))
     assert ours == theirs
     assert "after load_state: 0\n" in ours  # the save counter is the user's to set
-    assert ours.endswith("['profile_0.json']\n")
+    assert ours.endswith("['profile_0.json']\nValueError\nValueError\n")
 
 
 def tracking(lib: str, folder: str):

@@ -416,8 +416,13 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         """
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(
+                raise NotCheckpointableError(
                     f"{type(obj).__name__} cannot be checkpointed: it needs state_dict() and "
                     "load_state_dict() methods."
                 )
             self._registry.custom_objects.append(obj)
+
+
+class NotCheckpointableError(TypeError, ValueError):
+    """An object given to ``register_for_checkpointing`` without ``state_dict`` and
+    ``load_state_dict``; a ``ValueError`` too, as Accelerate raises there."""
