@@ -186,6 +186,9 @@ def gathering(lib: str, folder: str) -> dict:
         (dispatcher.gradient_state.remainder, dispatcher.gather_for_metrics(x)) for (x,) in loader
     ]
     out["outside"] = (acc.gradient_state.remainder, acc.gradient_state.end_of_dataloader)
+    ignored = mod.Accelerator(cpu=True, split_batches=True)  # Accelerate 1.x ignores it
+    batches = ignored.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4))
+    out["split_batches="] = [x for (x,) in batches]
     kinds = [isinstance(loader, DataLoader), type(loader).__name__, loader.__class__.__name__]
     counts = [loader.iteration]
     list(loader)

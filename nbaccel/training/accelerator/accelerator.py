@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -113,6 +114,14 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"Accelerator({name}=...) is not supported by nbaccel, which runs DDP, FSDP "
                     "and DeepSpeed (one deepspeed_plugin=...) for sharded training."
                 )
+        if split_batches is not _UNSET:
+            warnings.warn(
+                f"Accelerator(split_batches={split_batches!r}) is ignored, as Accelerate 1.x "
+                "ignores it (the same numbers either way); to split batches over the processes "
+                "pass dataloader_config=DataLoaderConfiguration(split_batches=True).",
+                UserWarning,
+                stacklevel=2,
+            )
         opts = resolve_options(
             mixed_precision=mixed_precision
             if mixed_precision is not None
@@ -121,7 +130,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             env_steps=os.environ.get(ENV_GRADIENT_ACCUMULATION_STEPS),
             gradient_accumulation_plugin=gradient_accumulation_plugin,
             dataloader_config=dataloader_config,
-            split_batches=None if split_batches is _UNSET else split_batches,
+            split_batches=None,
             even_batches=even_batches,
             dispatch_batches=dispatch_batches,
             kwargs_handlers=kwargs_handlers,
