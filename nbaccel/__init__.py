@@ -58,6 +58,8 @@ _LAZY = {
     "find_executable_batch_size": "nbaccel.training.memory",
     "skip_first_batches": "nbaccel.training.data",
     "synchronize_rng_states": "nbaccel.training.random",
+    "load_checkpoint_in_model": "nbaccel.training.model_files",
+    "is_rich_available": "nbaccel.training.availability",
     "utils": "nbaccel.utils",
     "progress": "nbaccel.rank.reporting",
     "log": "nbaccel.rank.reporting",

@@ -43,6 +43,13 @@ def test_find_executable_batch_size_retries_smaller_on_oom_only(lib):
     with pytest.raises(RuntimeError, match="shape mismatch"):
         broken()  # anything but an OOM propagates at once
 
+    @_find(lib)(starting_batch_size=2)
+    def never(batch_size):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    with pytest.raises(RuntimeError, match=r"^No executable batch size found, reached zero\."):
+        never()  # Accelerate's words first: ported code matches on them
+
 
 @pytest.mark.slow  # the profiler starts up
 def test_profile_free_memory_and_handlers(tmp_path):
@@ -50,7 +57,7 @@ def test_profile_free_memory_and_handlers(tmp_path):
     with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path))) as prof:
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert any("mm" in e.key for e in prof.key_averages())
-    assert os.listdir(tmp_path) == ["trace_rank0.json"]
+    assert os.listdir(tmp_path) == ["profile_0.json"]  # Accelerate's name
     model, opt = acc.prepare(torch.nn.Linear(2, 2), torch.optim.SGD([torch.zeros(1)], lr=0.1))
     assert acc.free_memory(model, opt) == [None, None]
     assert acc.prepared().models == () and acc.prepared().optimizers == ()
@@ -82,6 +89,26 @@ def test_unscale_gradients_gives_true_gradients_once():
     acc.clip_grad_norm_(model.parameters(), max_norm=100.0)  # no second unscale
     assert torch.allclose(model.weight.grad, torch.full((1, 3), 2.0))
     opt.step()
+
+
+def test_fp16_clipping_every_micro_step_is_refused_not_mixed():
+    # Clipping unscales; a backward after it adds scaled gradients to unscaled ones. torch's
+    # GradScaler refuses the second unscale under Accelerate; nbaccel refuses it too, with how.
+    acc = nbaccel.Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2)
+    model = torch.nn.Linear(3, 1)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with acc.accumulate(model):
+        acc.backward(model(torch.ones(2, 3)).float().sum())
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+    with acc.accumulate(model):
+        acc.backward(model(torch.ones(2, 3)).float().sum())
+        with pytest.raises(RuntimeError, match="only when accelerator.sync_gradients"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()  # the step ends it: the next group unscales again
+    opt.zero_grad()
+    with acc.accumulate(model):
+        acc.backward(model(torch.ones(2, 3)).float().sum())
+        assert acc.clip_grad_norm_(model.parameters(), 1.0) is not None
 
 
 def test_save_model_bin_and_get_state_dict(tmp_path):

@@ -67,6 +67,8 @@ TOP_LEVEL = [
     "find_executable_batch_size",
     "skip_first_batches",
     "synchronize_rng_states",
+    "load_checkpoint_in_model",
+    "is_rich_available",
     "notebook_launcher",
     "debug_launcher",
 ]

@@ -79,7 +79,7 @@ def collectives() -> dict:
         "gather": acc.gather({"t": t})["t"].tolist(),
         "sum": acc.reduce(t, "sum").item(),
         "mean": acc.reduce(t, "mean").item(),
-        "objects": acc.gather_object({"rank": rank}),
+        "objects": acc.gather_object([{"rank": rank}]),
         "padded": acc.gather(padded).shape,
         "broadcast": acc.broadcast(torch.tensor([rank * 10])).item(),
         "printed": out.getvalue(),

@@ -48,7 +48,9 @@ def test_fp8_on_cpu_says_what_to_use():
 
 def split_loader(batch_size: int) -> tuple[int, list[int]]:
     """In a rank: prepare a split-batches loader of 8 samples; its length and batch sizes."""
-    acc = Accelerator(split_batches=True)
+    from nbaccel.utils import DataLoaderConfiguration
+
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))
     dl = acc.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=batch_size))
     return len(dl), [len(batch) for (batch,) in dl]
 

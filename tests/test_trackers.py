@@ -74,7 +74,7 @@ def test_docs_style_loop_with_trackers_checkpoints_and_save_model(tmp_path):
     assert writer == "SummaryWriter" and results[1][4] == "GeneralTracker"  # rank 1: none
     # ProjectConfiguration(total_limit=2): checkpoint_0 was removed, the newest two remain.
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
-    assert iteration == 3  # load_state of checkpoint_2 continues numbering after it
+    assert iteration == 3  # three saves; load_state leaves the counter alone (as Accelerate)
     assert hooks == [1, 1, 1, "checkpoint_2"]  # (models, one state dict per model, folder)
     # save_model: safetensors shards of at most 100 bytes plus an index, loadable into a model.
     files = sorted(os.listdir(tmp_path / "final"))

@@ -165,7 +165,7 @@ def _writes_folder(acc: AcceleratorParts, final: Path) -> bool:
     temporary folder, as Accelerate's tests do), the first rank of each, so every folder is a
     whole checkpoint, swapped in as one. Collective: every rank asks, and every rank refuses
     alike where a rank holds only part of the state."""
-    folders = ops.gather_object(os.path.abspath(final))
+    folders = ops.gather_object([os.path.abspath(final)])
     if len(set(folders)) == 1:
         return acc.is_main_process
     strategy = acc.prepared().strategy
@@ -237,6 +237,11 @@ def _write_model(state: dict[str, Any], folder: Path, index: int, safe: bool) ->
         atomic_save(state, folder / model_file(index, safe=False))
 
 
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """No checkpoint folder where ``load_state`` looks. A ``ValueError`` too, which is what
+    Accelerate raises there, so ported ``except ValueError`` blocks still catch it."""
+
+
 def load_state(
     acc: AcceleratorParts, directory: str | os.PathLike[str], hooks: Iterable[Hook] = ()
 ) -> Path:
@@ -248,7 +253,7 @@ def load_state(
     if not path.is_dir() and old.is_dir():
         path = old  # a save was interrupted between its two renames; this one is complete
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise CheckpointNotFoundError(
             f"no checkpoint folder at {path}; pass the folder given to save_state()."
         )
     prepared = acc.prepared()

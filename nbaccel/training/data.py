@@ -2,8 +2,9 @@
 even last batches, batches on the right device, and a position that checkpoints can resume.
 
 Which indices each rank gets is planned in ``sharding``; this module wraps the user's loader
-around that plan, tracks the epoch and position, and tells the gradient state when the last
-batch comes (for accumulation and ``gather_for_metrics``).
+around that plan, tracks the epoch and position, and says when the last batch comes
+(``end_of_dataloader``, ``remainder``: the gradient state reads them from the loader being
+iterated, for accumulation and ``gather_for_metrics``).
 
 >>> from torch.utils.data import DataLoader
 >>> from nbaccel.training.data_compat import prepare_data_loader
@@ -74,9 +75,20 @@ class PreparedDataLoader:
         self._state, self._gs, self._place = state, gradient_state, device_placement
         self._iterable = isinstance(loader.dataset, IterableDataset)
         self.epoch, self.position, self._skip = 0, 0, 0
+        self._split = split_batches
         if self._iterable:
             self._sampler = None
-            self._loader = loader
+            world, size = state.num_processes, loader.batch_size
+            if split_batches and size is not None and size % world:
+                raise ValueError(
+                    f"split_batches=True needs the DataLoader's batch_size ({size}) to be a "
+                    f"multiple of the number of processes ({world}); change batch_size or use "
+                    "split_batches=False (each rank then loads batches of that size)."
+                )
+            if isinstance(self, DataLoaderDispatcher) or size is None:
+                self._loader = loader
+            else:  # dispatch_batches=False: Accelerate shards the samples, then batches them
+                self._loader = _sample_shards(loader, world, state.process_index, split_batches)
         else:
             self._sampler = ShardedBatchSampler(
                 loader,
@@ -91,7 +103,12 @@ class PreparedDataLoader:
             # A resumed epoch made that draw before the checkpoint, so it draws from this one.
             self._generator = torch.Generator()
             self._loader = _rebuild(loader, self._sampler, self._generator)
-        self.batch_size = self._sampler.per_rank if self._sampler is not None else loader.batch_size
+        if self._sampler is not None:
+            self.batch_size = self._sampler.per_rank
+        elif split_batches and loader.batch_size is not None:
+            self.batch_size = loader.batch_size // state.num_processes
+        else:
+            self.batch_size = loader.batch_size
         # Accelerate's DataLoaderShard state: whether the batch just yielded is the epoch's
         # last, and how many samples the last step has over all ranks (-1: unknown).
         self.end_of_dataloader, self.remainder = False, -1
@@ -140,11 +157,28 @@ class PreparedDataLoader:
             raise AttributeError(name)
         return getattr(self.original, name)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The loader's class, so ``isinstance(loader, DataLoader)`` holds as for Accelerate's
+        prepared loaders (its ``DataLoaderAdapter`` answers the same); ``type(loader)`` is
+        still ``DataLoaderShard``/``DataLoaderDispatcher``."""
+        return type(self.original)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle's default reads __class__ (the DataLoader's, above): rebuild by the real type.
+        return (_restore, (type(self), self.__dict__))
+
     def __len__(self) -> int:
-        if self._sampler is None:  # as iterable.deal: a last incomplete step unless drop_last
-            whole, world = len(self.original), self._state.num_processes
-            return whole // world if self.original.drop_last else -(-whole // world)
-        return len(self._sampler)
+        if self._sampler is not None:
+            return len(self._sampler)
+        if self._loader is not self.original:  # sample shards: their loader's own count
+            return len(self._loader)
+        # as iterable.deal: a step per batch with split_batches, else per `world` batches, a
+        # last incomplete step unless drop_last
+        whole, world = len(self.original), self._state.num_processes
+        if self._split:
+            return whole
+        return whole // world if self.original.drop_last else -(-whole // world)
 
     @property
     def even_batches(self) -> bool:
@@ -158,6 +192,15 @@ class PreparedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at ``epoch`` (only for loops that count epochs themselves)."""
+        self.epoch = epoch
+
+    @property
+    def iteration(self) -> int:
+        """The epoch the next iteration runs (Accelerate's name; settable, as ``set_epoch``)."""
+        return self.epoch
+
+    @iteration.setter
+    def iteration(self, epoch: int) -> None:
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
@@ -194,7 +237,7 @@ class PreparedDataLoader:
             own = self.original.generator is not None or self._skip
             self._loader.generator = self._generator if own else None
         source = self._loader if self._sampler is not None else self._dealt(self._skip)
-        self.end_of_dataloader, self.remainder = False, self._last_step_size()
+        self.end_of_dataloader, self.remainder = False, self._first_remainder()
         self.position, self._skip = self._skip, 0
         if not self._gs.iterating:  # an epoch: the step count's total, where that is progress
             total = len(self) if self._sampler is not None else None
@@ -211,10 +254,12 @@ class PreparedDataLoader:
             if self._sampler is not None:
                 # The sampler planned the epoch before the loader fetched this first batch.
                 batch, last = item, self.position == self._sampler.planned
-                remainder = self._final_remainder() if last else None
+                if last:
+                    self._final_remainder()
             else:
                 batch, last, remainder = item
-            self._gs.at_loader_end, self._gs.remainder = last, remainder
+                if last and remainder is not None:
+                    self.remainder = remainder
             self.end_of_dataloader = last
             if self._place:
                 batch = ops.send_to_device(batch, self._state.device, self._non_blocking)
@@ -223,24 +268,41 @@ class PreparedDataLoader:
             yield batch
         if self._state.device.type == "xla":
             xla.sync()
-        self._gs.at_loader_end, self._gs.remainder = False, None
         self.epoch, self.position = self.epoch + 1, 0
 
-    def _final_remainder(self) -> int:
-        """What ``gather_for_metrics`` keeps of the last step's gather, as Accelerate's
-        ``remainder`` there: the step's real samples when dispatching, else the dataset's
-        length modulo ``total_batch_size`` (0 or -1: keep everything)."""
+    def _first_remainder(self) -> int:
+        """``remainder`` while an epoch runs, as Accelerate's loaders have it: the last step's
+        size for a loader of a map-style dataset; -1 for one it would dispatch (its dataset has
+        no ``batch_size``) and for a stream, which learn it at their last batch."""
+        if self._loader is not self.original and self._sampler is None:
+            # Accelerate's sample shards: their length over their batch size, which always
+            # divides it (so 0: nothing cut), unless unknown or dropped.
+            try:
+                len(self.original.dataset)  # type: ignore[arg-type]
+            except TypeError:
+                return -1
+            return -1 if self.original.drop_last else 0
+        if isinstance(self, DataLoaderDispatcher) or self._sampler is None:
+            return -1
+        return self._last_step_size()
+
+    def _final_remainder(self) -> None:
+        """At the last batch: what ``gather_for_metrics`` keeps of the last step's gather, as
+        Accelerate's ``remainder`` there: the step's real samples when dispatching, else the
+        dataset's length modulo ``total_batch_size`` (0 or -1: keep everything)."""
         dispatched = self._sampler.remainder if self._sampler is not None else None
         if dispatched is not None:
             self.remainder = dispatched
-            return dispatched
-        return self.remainder
 
     def _dealt(self, skip: int) -> Iterator[tuple[Any, bool, int | None]]:
         """Iterable datasets: every rank reads the stream and takes its even share of each
         ``world`` batches, the last step padded from the start (``iterable.deal``)."""
         world, rank = self._state.num_processes, self._state.process_index
-        steps = iterable.deal(self._loader, world, rank, drop_last=self._loader.drop_last)
+        if self._loader is not self.original:  # already this rank's batches (sample shards)
+            return itertools.islice(iterable.ahead(self._loader), skip, None)
+        steps = iterable.deal(
+            self._loader, world, rank, drop_last=self._loader.drop_last, split_batches=self._split
+        )
         return itertools.islice(steps, skip, None)
 
 
@@ -255,11 +317,41 @@ class DataLoaderDispatcher(PreparedDataLoader):
     their share instead; the batches are the same."""
 
 
+def _restore(cls: type[PreparedDataLoader], state: dict[str, Any]) -> PreparedDataLoader:
+    """A pickled prepared loader, rebuilt (``PreparedDataLoader.__reduce_ex__``)."""
+    loader = object.__new__(cls)
+    loader.__dict__.update(state)
+    return loader
+
+
 def loader_class(loader: DataLoader, dispatch_batches: bool | None) -> type[PreparedDataLoader]:
     """Which of Accelerate's two kinds a prepared ``loader`` is."""
     if dispatch_batches is None:
         dispatch_batches = isinstance(loader.dataset, IterableDataset)
     return DataLoaderDispatcher if dispatch_batches else DataLoaderShard
+
+
+def _sample_shards(loader: DataLoader, world: int, rank: int, split: bool) -> DataLoader:
+    """The loader over this rank's samples of its stream (``iterable.SampleShard``), in
+    batches of its share of a step, with the loader's workers, collate and pinning."""
+    size = loader.batch_size
+    assert size is not None
+    shard = iterable.SampleShard(loader.dataset, size, loader.drop_last, world, rank, split)
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return DataLoader(
+        shard, batch_size=size // world if split else size, drop_last=loader.drop_last, **kwargs
+    )
 
 
 def _rebuild(

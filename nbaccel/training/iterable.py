@@ -3,7 +3,9 @@ iterable datasets (its ``DataLoaderDispatcher``): every ``world`` consecutive ba
 global step, split evenly over the ranks; an incomplete last step is evened out with samples
 from the start of the stream, and its number of real samples is reported so that
 ``gather_for_metrics`` drops the padding again. With the loader's ``drop_last`` an incomplete
-last step is dropped.
+last step is dropped; with ``split_batches`` a step is one batch, cut into equal slices. With
+``dispatch_batches=False`` Accelerate shards the samples instead (its
+``IterableDatasetShard``): :class:`SampleShard` does what it does.
 
 Every rank reads the whole stream (it must be the same on every rank, as for Accelerate's
 shards) and keeps its own part, so nothing is broadcast.
@@ -20,42 +22,110 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
-__all__ = ["deal"]
+__all__ = ["SampleShard", "ahead", "deal"]
 
 
 def deal(
-    batches: Iterable[Any], world: int, rank: int, drop_last: bool = False
+    batches: Iterable[Any],
+    world: int,
+    rank: int,
+    drop_last: bool = False,
+    split_batches: bool = False,
 ) -> Iterator[tuple[Any, bool, int | None]]:
     """Yield ``(batch, is_last, remainder)`` for this rank; ``remainder`` is the number of real
-    samples in the last global step when it was padded, else None.
+    samples in the last global step (Accelerate's dispatcher's ``remainder`` there), else None.
+    With ``split_batches`` a step is one batch, cut into ``world`` slices.
 
     Example::
 
         for batch, last, remainder in deal(loader, world=2, rank=0):
             ...
     """
+    per_step = 1 if split_batches else world
     stream = iter(batches)
     first: Any = None  # the stream's first samples, to pad an uneven last step
-    round_ = _take(stream, world)
+    round_ = _take(stream, per_step)
     while round_:
-        upcoming = _take(stream, world)
+        upcoming = _take(stream, per_step)
         last = not upcoming
-        if len(round_) < world and drop_last:
+        if len(round_) < per_step and drop_last:
             return
         sizes = [_size(b) for b in round_]
         if first is None:
             first = round_[0]
-        if len(round_) == world and len(set(sizes)) == 1:
-            yield round_[rank], last, None
-        else:  # the last, incomplete step: concatenate, even out, split
+        done = sum(sizes) if last else None
+        if not split_batches and len(round_) == world and len(set(sizes)) == 1:
+            yield round_[rank], last, done
+        else:  # one batch to split, or the last, incomplete step: concatenate, even out, split
             whole, real = _concat(round_), sum(sizes)
             per = -(-real // world)  # ceil: each rank's share
             while _size(whole) < per * world:
                 whole = _concat([whole, _slice(first, 0, per * world - _size(whole))])
-            padded = real if real != per * world else None
-            yield _slice(whole, rank * per, (rank + 1) * per), True, padded
+            yield _slice(whole, rank * per, (rank + 1) * per), last, done
         round_ = upcoming
+
+
+def ahead(batches: Iterable[Any]) -> Iterator[tuple[Any, bool, None]]:
+    """``(batch, is_last, None)`` for each batch: one read ahead tells the last."""
+    stream = iter(batches)
+    current = next(stream, _END)
+    while current is not _END:
+        upcoming = next(stream, _END)
+        yield current, upcoming is _END, None
+        current = upcoming
+
+
+_END = object()
+
+
+class SampleShard(IterableDataset):
+    """What Accelerate's ``IterableDatasetShard`` gives a rank (``dispatch_batches=False``):
+    the stream is read in chunks of ``batch_size * world`` samples (``batch_size`` with
+    ``split_batches``), of which this rank takes its ``rank``-th contiguous part; a last,
+    short chunk is filled up by repeating the first chunk (dropped with ``drop_last``).
+
+    >>> [list(SampleShard(range(7), 2, False, world=2, rank=r)) for r in (0, 1)]
+    [[0, 1, 4, 5], [2, 3, 6, 0]]
+    """
+
+    def __init__(
+        self,
+        dataset: Any,  # an IterableDataset (anything iterable)
+        batch_size: int,
+        drop_last: bool,
+        world: int,
+        rank: int,
+        split_batches: bool = False,
+    ) -> None:
+        self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+        self.world, self.rank, self.split_batches = world, rank, split_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        chunk_size = self.batch_size if self.split_batches else self.batch_size * self.world
+        mine = chunk_size // self.world
+        start, stop = self.rank * mine, (self.rank + 1) * mine
+        first: list[Any] | None = None
+        chunk: list[Any] = []
+        for sample in self.dataset:
+            chunk.append(sample)
+            if len(chunk) == chunk_size:
+                yield from chunk[start:stop]
+                first = first if first is not None else chunk
+                chunk = []
+        if chunk and not self.drop_last:
+            first = first if first is not None else list(chunk)
+            while len(chunk) < chunk_size:
+                chunk += first
+            yield from chunk[start:stop]
+
+    def __len__(self) -> int:
+        # Accelerate's count (batch_size * world per chunk, with split_batches too), which is
+        # what its loader's len() reports.
+        length, chunk = len(self.dataset), self.batch_size * self.world
+        chunks = length // chunk if self.drop_last else -(-length // chunk)
+        return chunks * self.batch_size
 
 
 def _take(stream: Iterator[Any], count: int) -> list[Any]:

@@ -109,8 +109,9 @@ def find_executable_batch_size(
         while True:
             if batch_size == 0:
                 raise RuntimeError(
-                    "find_executable_batch_size: even a batch of 1 ran out of memory; use a "
-                    "smaller model, mixed precision, or more/larger devices."
+                    "No executable batch size found, reached zero. (find_executable_batch_size: "
+                    "even a batch of 1 ran out of memory; use a smaller model, mixed precision, "
+                    "or more/larger devices.)"
                 )
             try:
                 return function(batch_size, *args, **kwargs)

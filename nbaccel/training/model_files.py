@@ -116,16 +116,7 @@ def save_model_files(
         raise ValueError(f"save_model: {folder} is a file; pass a folder to write into.")
     folder.mkdir(parents=True, exist_ok=True)
     tensors, aliases = split_tied(state)
-    limit = parse_size(max_shard_size)
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    for key, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
+    shards = _shards(tensors, parse_size(max_shard_size))
     name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     stem, ext = name.rsplit(".", 1)
     names = (
@@ -133,7 +124,7 @@ def save_model_files(
         if len(shards) == 1
         else [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
     )
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(_stored_size(t) for t in tensors.values())
     staging = model_folder.stage(folder)
     try:
         for shard, filename in zip(shards, names):
@@ -144,19 +135,54 @@ def save_model_files(
                 cpu = {k: v.detach().cpu() for k, v in shard.items()}
                 atomic_save(cpu | {a: cpu[k] for a, k in tied.items()}, staging / filename)
         if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": {k: f for shard, f in zip(shards, names) for k in shard},
-            }
+            where = {k: f for shard, f in zip(shards, names) for k in shard}
+            if not safe_serialization:  # a .bin shard holds the tied names too
+                where |= {alias: where[key] for alias, key in aliases.items()}
+            index = {"metadata": {"total_size": total}, "weight_map": where}
             names.append(f"{name}.index.json")
             with atomic_write(staging / names[-1], "w") as f:
-                json.dump(index, f, indent=2)
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
     except BaseException as exc:
         model_folder.discard(folder)
         if isinstance(exc, OutOfSpaceError):
             raise swap_failed("save_model", folder, total) from exc
         raise
     model_folder.commit(folder, names)
+
+
+def _stored_size(tensor: Any) -> int:
+    """Bytes a tensor takes in a weight file, as Hugging Face's shard split counts them (its
+    storage's size)."""
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
+def _shards(tensors: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    """``tensors`` cut into shards of at most ``limit`` bytes, in order, as Hugging Face's
+    ``split_torch_state_dict_into_shards`` (and so Accelerate's ``save_model``) cuts them: a
+    tensor larger than the limit becomes a shard of its own at once, while the shard being
+    filled goes on filling with the smaller tensors after it.
+
+    >>> sizes = {"a": 4, "big": 20, "b": 4, "c": 4}
+    >>> [list(s) for s in _shards({k: torch.zeros(n, dtype=torch.uint8) for k, n in sizes.items()}, 10)]
+    [['big'], ['a', 'b'], ['c']]
+    """
+    done: list[dict[str, Any]] = []
+    filling: dict[str, Any] = {}
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = _stored_size(tensor)
+        if nbytes > limit:
+            done.append({key: tensor})
+            continue
+        if size + nbytes > limit:
+            done.append(filling)
+            filling, size = {}, 0
+        filling[key] = tensor
+        size += nbytes
+    return [*done, filling] if filling or not done else done
 
 
 def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -195,19 +195,21 @@ def gather(tensor: Any) -> Any:
     return recursively_apply(_gather_one, tensor)
 
 
-def gather_object(object: Any) -> list[Any]:  # Accelerate's parameter name
-    """Every rank's picklable object; a list is flattened, anything else becomes one entry.
+def gather_object(object: Any) -> Any:  # Accelerate's parameter name
+    """Every rank's picklable object, each rank's items one after the other, as Accelerate
+    gives them: each rank's object is iterated (a list or tuple gives its items, a string its
+    characters, a dict its keys); an object that cannot be iterated, where Accelerate raises,
+    is one item. On one process the object comes back as it is.
 
     Example::
 
         names = gather_object([f"rank{rank}"])        # ["rank0", "rank1"]
     """
-    items = object if isinstance(object, list) else [object]
     if _world() == 1:
-        return list(items)
+        return object
     out: list[Any] = [None] * _world()
-    _comm().all_gather_object(out, items)
-    return [x for part in out for x in part]
+    _comm().all_gather_object(out, object)
+    return [x for part in out for x in (part if isinstance(part, Iterable) else [part])]
 
 
 def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:

@@ -168,9 +168,13 @@ class PartialState(ProcessControl):
             dist.destroy_process_group(group)
 
     def __repr__(self) -> str:
+        backend = f"  Backend: {self.backend}" if self.backend else ""
         return (
-            f"Distributed environment: {self.distributed_type.value}\nNum processes: "
-            f"{self.num_processes}\nProcess index: {self.process_index}\nDevice: {self.device}\n"
+            f"Distributed environment: {self.distributed_type}{backend}\n"
+            f"Num processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\n"
+            f"Device: {self.device}\n"
         )
 
 
@@ -230,4 +234,7 @@ class AcceleratorState(PartialState):
         return strategy_type if strategy_type is not None else super()._detected_type()
 
     def __repr__(self) -> str:
-        return super().__repr__() + f"Mixed precision type: {self.mixed_precision}\n"
+        text = super().__repr__() + f"\nMixed precision type: {self.mixed_precision}\n"
+        if self.distributed_type == DistributedType.DEEPSPEED and self.deepspeed_plugin:
+            text += f"ds_config: {self.deepspeed_plugin.deepspeed_config}\n"
+        return text

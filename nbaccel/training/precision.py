@@ -140,13 +140,23 @@ class Fp16Precision(AutocastPrecision):
         super().__init__(device, torch.float16, "fp16")
         options = scaler_kwargs.to_kwargs() if scaler_kwargs is not None else {}
         self.scaler = torch.amp.GradScaler(device.type, **options)
+        self._mixed: set[int] = set()  # unscaled optimizers whose gradients a backward added to
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.scaler.scale(loss).backward(**kwargs)
+        self._mixed = set(self._unscaled)  # scaled gradients added to unscaled ones
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         # GradScaler refuses a second unscale_ of the same optimizer before step(); clipping
-        # twice (norm, then value) must still work, so remember who is already unscaled.
+        # twice (norm, then value) must still work, so remember who is already unscaled. A
+        # backward since then (clipping every micro-step of an accumulation) added scaled
+        # gradients to unscaled ones: refused, as torch refuses it under Accelerate.
+        if id(optimizer) in self._mixed:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(), "
+                "and a backward pass added scaled fp16 gradients since: clip (or unscale) only "
+                "when accelerator.sync_gradients is True, once per optimizer step."
+            )
         if id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
@@ -159,6 +169,7 @@ class Fp16Precision(AutocastPrecision):
             self.scaler.step(optimizer)
         self.scaler.update()
         self._unscaled.discard(id(optimizer))
+        self._mixed.discard(id(optimizer))
         # The scaler only lowers its scale when it found inf/NaN gradients and skipped the step.
         return self.scaler.get_scale() >= before
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -106,8 +107,16 @@ class TensorBoardTracker(GeneralTracker):
     tracker = property(lambda self: self.writer)
 
     def store_init_configuration(self, values: dict) -> None:
+        """The config as TensorBoard hparams, and as ``<run>/<time>/hparams.yml`` (where
+        Accelerate writes a copy too)."""
+        import yaml
+
         self.writer.add_hparams(values, metric_dict={})
         self.writer.flush()
+        folder = os.path.join(self.logging_dir, str(time.time()))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hparams.yml"), "w") as file:
+            yaml.dump(values, file)
 
     def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
         for key, value in values.items():
@@ -309,6 +318,16 @@ def filter_trackers(log_with: Any, logging_dir: Any = None) -> list[Any]:
     return chosen
 
 
+def _chartable(value: Any) -> bool:
+    """Whether the dashboard can chart ``value``: a number, or a one-element tensor/array."""
+    if isinstance(value, (int, float)):
+        return True
+    numel = getattr(value, "numel", None)
+    if callable(numel):
+        return bool(numel() == 1)
+    return type(value).__module__ == "numpy" and getattr(value, "size", 0) == 1
+
+
 class Tracking(AcceleratorParts):
     """Mixed into :class:`nbaccel.Accelerator`: init_trackers, log, get_tracker, end_training."""
 
@@ -362,13 +381,15 @@ class Tracking(AcceleratorParts):
         self, values: dict[str, Any], step: int | None = None, log_kwargs: dict | None = None
     ) -> None:
         """Send metrics to the trackers (main process) and to the launching kernel's dashboard
-        (every rank; a no-op outside a launch).
+        (every rank; a no-op outside a launch). The trackers get every value, as with
+        Accelerate (TensorBoard logs a string as text, a dict as grouped scalars); the
+        dashboard charts the numbers among them.
 
         Example::
 
             accelerator.log({"loss": loss, "lr": scheduler.get_last_lr()[0]}, step=step)
         """
-        reporting.log(values, step=step)
+        reporting.log({k: v for k, v in values.items() if _chartable(v)}, step=step)
         log_kwargs = log_kwargs or {}
         for tracker in self.trackers:
             plain = {k: v.item() if hasattr(v, "item") else v for k, v in values.items()}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,6 +137,14 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
                     f"Accelerator({name}=...) is not supported by nbaccel, which runs DDP, FSDP "
                     "and DeepSpeed (one deepspeed_plugin=...) for sharded training."
                 )
+        if split_batches is not _UNSET:
+            warnings.warn(
+                f"Accelerator(split_batches={split_batches!r}) is ignored, as Accelerate 1.x "
+                "ignores it (the same numbers either way); to split batches over the processes "
+                "pass dataloader_config=DataLoaderConfiguration(split_batches=True).",
+                UserWarning,
+                stacklevel=2,
+            )
         opts = resolve_options(
             mixed_precision=mixed_precision
             if mixed_precision is not None
@@ -144,7 +153,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             env_steps=os.environ.get(ENV_GRADIENT_ACCUMULATION_STEPS),
             gradient_accumulation_plugin=gradient_accumulation_plugin,
             dataloader_config=dataloader_config,
-            split_batches=None if split_batches is _UNSET else split_batches,
+            split_batches=None,
             even_batches=even_batches,
             dispatch_batches=dispatch_batches,
             kwargs_handlers=kwargs_handlers,
@@ -181,7 +190,11 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             deepspeed_plugin=self.deepspeed_plugin,
         )
         self._gs = GradientState(
-            accumulation_steps=opts.steps, sync_each_batch=opts.sync_each_batch
+            accumulation_steps=opts.steps,
+            sync_each_batch=opts.sync_each_batch,
+            sync_with_dataloader=opts.sync_with_dataloader,
+            plugin_adjust_scheduler=opts.adjust_scheduler,
+            steps_given=opts.steps_given,
         )
         self.gradient_state = self._gs  # Accelerate's public name for the same object
         settings_report.report_settings(
@@ -199,7 +212,6 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self.native_amp = self._precision.name in ("fp16", "bf16")
         self.has_lomo_optimizer = False
         self.flag_tensor: torch.Tensor | None = None  # set_trigger/check_trigger
-        self.step = 0  # tracker step counter, as in Accelerate
         self._registry = Registry()
         self._save_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
         self._load_model_state_pre_hook: dict[int, Any] = collections.OrderedDict()
@@ -223,7 +235,26 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     mixed_precision = property(lambda self: self._precision.name)
     fp8_enabled = property(lambda self: self._precision.name == "fp8")
     fp8_backend = property(lambda self: "AO" if self._precision.name == "fp8" else None)
-    gradient_accumulation_steps = property(lambda self: self._gs.accumulation_steps)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step (settable, as in Accelerate)."""
+        return self._gs.accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self._gs.accumulation_steps, self._gs.steps_given = steps, True
+
+    @property
+    def step(self) -> int:
+        """Accelerate's counter of ``accumulate()`` calls: back to 0 at the end of a loader (and
+        on ``free_memory``); saved with the random states by ``save_state``."""
+        return self._gs.micro_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._gs.micro_step = value
+
     sync_gradients = property(lambda self: self._gs.sync_gradients)
     scaler = property(lambda self: self._precision.scaler, doc="The fp16 GradScaler, or None.")
     strategy = property(
@@ -246,8 +277,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (fp16 found inf/NaN gradients)."""
-        return self._gs.optimizer_step_was_skipped
+        """Whether a prepared optimizer's last step was skipped (fp16 found inf/NaN
+        gradients)."""
+        return any(getattr(opt, "step_was_skipped", False) for opt in self._registry.optimizers)
 
     def __repr__(self) -> str:
         return (
@@ -416,8 +448,13 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         """
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(
+                raise NotCheckpointableError(
                     f"{type(obj).__name__} cannot be checkpointed: it needs state_dict() and "
                     "load_state_dict() methods."
                 )
             self._registry.custom_objects.append(obj)
+
+
+class NotCheckpointableError(TypeError, ValueError):
+    """An object given to ``register_for_checkpointing`` without ``state_dict`` and
+    ``load_state_dict``; a ``ValueError`` too, as Accelerate raises there."""

@@ -43,7 +43,11 @@ class Options:
 
     mixed_precision: str = "no"
     steps: int = 1
-    sync_each_batch: bool = False  # GradientAccumulationPlugin(sync_each_batch=True)
+    # GradientAccumulationPlugin's other fields (its defaults without a plugin)
+    sync_each_batch: bool = False
+    sync_with_dataloader: bool = True
+    adjust_scheduler: bool = True
+    steps_given: bool = True  # False: a plugin without num_steps (1 step, as in Accelerate)
     dataloader_config: DataLoaderConfiguration = dataclasses.field(
         default_factory=DataLoaderConfiguration
     )
@@ -87,7 +91,12 @@ def resolve_options(
     except ValueError as exc:
         raise ValueError(f"Accelerator(mixed_precision=...): {exc}") from None
     opts.steps = _steps(gradient_accumulation_steps, env_steps, gradient_accumulation_plugin)
-    opts.sync_each_batch = bool(getattr(gradient_accumulation_plugin, "sync_each_batch", False))
+    plugin = gradient_accumulation_plugin
+    if plugin is not None:
+        opts.sync_each_batch = bool(plugin.sync_each_batch)
+        opts.sync_with_dataloader = bool(plugin.sync_with_dataloader)
+        opts.adjust_scheduler = bool(plugin.adjust_scheduler)
+        opts.steps_given = plugin.num_steps is not None
     cfg = dataloader_config if dataloader_config is not None else DataLoaderConfiguration()
     if dataloader_config is not None and split_batches is not None:
         raise ValueError(
@@ -126,17 +135,11 @@ def resolve_options(
 
 def _steps(given: int | None, env: str | None, plugin: Any) -> int:
     if plugin is not None:
-        if not plugin.sync_with_dataloader or not plugin.adjust_scheduler:
-            raise NotImplementedError(
-                "GradientAccumulationPlugin: nbaccel always syncs at the end of a dataloader and "
-                "adjusts the scheduler; sync_with_dataloader=False and adjust_scheduler=False "
-                "are not supported. Use num_steps (and sync_each_batch) only."
-            )
         if given not in (None, 1):
             raise ValueError(
                 "pass gradient_accumulation_steps or gradient_accumulation_plugin, not both."
             )
-        given = plugin.num_steps
+        given = 1 if plugin.num_steps is None else plugin.num_steps  # the environment is not read
     steps = given if given is not None else int(env or 1)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {steps!r}.")

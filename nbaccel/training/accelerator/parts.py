@@ -45,7 +45,7 @@ class AcceleratorParts(ProcessFacts):
     project_configuration: ProjectConfiguration
     autocast_handler: AutocastKwargs | None
     profile_handler: ProfileKwargs | None
-    step: int  # the trackers' step counter
+    step: int  # Accelerate's accumulate() counter (the gradient state's micro_step)
     _save_model_state_pre_hook: dict[int, Callable[..., None]]
     _load_model_state_pre_hook: dict[int, Callable[..., None]]
 

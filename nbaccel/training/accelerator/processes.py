@@ -98,8 +98,9 @@ class ProcessControl(ProcessFacts):
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather, then drop samples that were duplicated to even out the last batch, so metrics
-        over N ranks equal metrics over the whole dataset. ``use_gather_object=True`` gathers
-        any picklable objects (e.g. strings) into one list.
+        over N ranks equal metrics over the whole dataset. ``use_gather_object=True`` (or data
+        that is not all tensors) gathers picklable objects into one list, as ``gather_object``
+        does.
 
         Example::
 
@@ -107,16 +108,21 @@ class ProcessControl(ProcessFacts):
                 predictions = accelerator.gather_for_metrics(model(x).argmax(1))
                 labels = accelerator.gather_for_metrics(y)
         """
-        tensors: list[torch.Tensor] = []
-        ops.recursively_apply(tensors.append, input_data)
-        as_objects = use_gather_object or not tensors
+        try:  # Accelerate's test: tensors only, in nested lists, tuples and dicts
+            ops.recursively_apply(lambda t: t, input_data, error_on_other_type=True)
+            as_objects = use_gather_object
+        except TypeError:
+            as_objects = True
         gathered = ops.gather_object(input_data) if as_objects else ops.gather(input_data)
-        keep = self._gs.remainder if self._gs.at_loader_end else None
-        if keep is None or keep <= 0:  # not the last step, or nothing padded (Accelerate's -1, 0)
+        keep = self._gs.remainder if self._gs.end_of_dataloader else -1
+        if keep <= 0:  # not the last step, or nothing padded (Accelerate's -1, 0)
             return gathered
-        if as_objects:
-            return gathered[:keep]
-        return ops.recursively_apply(lambda t: t[:keep], gathered)
+        try:
+            if as_objects:
+                return gathered[:keep]
+            return ops.recursively_apply(lambda t: t[:keep], gathered)
+        except Exception:  # what cannot be cut comes back whole, as in Accelerate
+            return gathered
 
     def set_trigger(self) -> None:
         """Raise a flag on this rank that :meth:`check_trigger` sees on every rank (e.g. to
@@ -261,7 +267,8 @@ class ProcessControl(ProcessFacts):
     @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
         """Yield this rank's contiguous share of a list/tuple/tensor/dict of equal-length values
-        (or of a Hugging Face ``datasets.Dataset``, as a smaller Dataset).
+        (or of a Hugging Face ``datasets.Dataset``, as a smaller Dataset), as Accelerate does:
+        a dict is cut in place, and one process gets ``inputs`` itself.
 
         Shares differ by at most one item; ``apply_padding`` repeats the last item so every
         rank gets as many (then gather and cut to the input's length).
@@ -289,18 +296,42 @@ def _only_if(function: Callable[..., Any] | None, allowed: Callable[[], bool]) -
 
 
 def _split(inputs: Any, world: int, rank: int, pad: bool) -> Any:
-    if isinstance(inputs, dict):
-        return {k: _split(v, world, rank, pad) for k, v in inputs.items()}
-    n = len(inputs)
-    base, extra = divmod(n, world)
+    """Rank ``rank``'s share of ``inputs``, cut as Accelerate cuts it: one process keeps the
+    object itself; a dict is cut value by value in place (and is what comes back), by the
+    length of its first value; values that are not lists, tuples, tensors, dicts or datasets
+    (a string, a number) stay whole."""
+    if world == 1:
+        return inputs
+    length = len(inputs)
+    if isinstance(inputs, dict) and inputs:
+        length = len(next(iter(inputs.values())))
+        if not all(len(v) == length for v in inputs.values()):
+            raise ValueError("All values in the dictionary must have the same length")
+    base, extra = divmod(length, world)
     start = rank * base + min(rank, extra)
     stop = start + base + (1 if rank < extra else 0)
-    if hasattr(inputs, "select") and hasattr(inputs, "column_names"):
+    return _cut(inputs, start, stop, base + (1 if extra else 0) if pad else 0)
+
+
+def _cut(value: Any, start: int, stop: int, size: int) -> Any:
+    """``value[start:stop]`` padded with its last item to ``size`` items (0: no padding)."""
+    if isinstance(value, dict):
+        for key in value:
+            value[key] = _cut(value[key], start, stop, size)
+        return value
+    if hasattr(value, "select") and hasattr(value, "column_names"):
         # A Hugging Face datasets.Dataset: slicing gives a dict of columns, select() a Dataset.
-        padding = [n - 1] if pad and extra and rank >= extra and n else []
-        return inputs.select([*range(start, stop), *padding])
-    part = inputs[start:stop]
-    if pad and extra and rank >= extra and n:
-        last = inputs[-1:]
-        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + last
-    return part
+        n = len(value)
+        chosen = list(range(min(start, n), min(stop, n)))
+        return value.select(chosen + [n - 1] * max(0, size - len(chosen)) if n else chosen)
+    if isinstance(value, torch.Tensor):
+        part = value[start:stop]
+        missing = size - len(part)
+        if missing > 0 and len(value):
+            return torch.cat([part, value[-1:].expand(missing, *value.shape[1:])])
+        return part
+    if not isinstance(value, (list, tuple)):
+        return value
+    items: Any = value[start:stop]  # a list or a tuple, as given
+    missing = size - len(items)
+    return items + value[-1:] * missing if missing > 0 and value else items

@@ -75,12 +75,16 @@ class Saving(AcceleratorParts):
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The model's full state dict (FSDP shards are gathered; call it on every rank).
+        ``unwrap=False`` keeps the wrappers' names (``module.`` of DDP, ``_orig_mod.`` of
+        ``torch.compile``) as Accelerate does; FSDP and DeepSpeed give the model's own names.
 
         Example::
 
             state = accelerator.get_state_dict(model)
             accelerator.save(state, "model.pt")
         """
+        if not unwrap:
+            return self._strategy.model_state_dict(model, unwrap=False)
         return self._strategy.model_state_dict(getattr(model, "_orig_mod", model))
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
@@ -201,11 +205,9 @@ class Saving(AcceleratorParts):
             target = found[-1][1]
         else:
             target = self._checkpoint_dir(input_dir)
+        # The save counter (save_iteration) stays as it is, as in Accelerate: a run resumed in a
+        # new process sets project_configuration.iteration itself before it saves again.
         path = checkpoint.load_state(self, target, list(self._load_model_state_pre_hook.values()))
-        if self.project_configuration.automatic_checkpoint_naming:
-            match = re.search(r"checkpoint_(\d+)$", Path(path).name)
-            if match:  # continue numbering after the loaded one, as Accelerate does
-                self.project_configuration.iteration = int(match.group(1)) + 1
         return str(path)
 
     def _checkpoint_dir(self, directory: Any) -> Path:

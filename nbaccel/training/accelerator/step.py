@@ -56,7 +56,8 @@ class TrainingStep(AcceleratorParts):
         """Accumulate gradients over ``gradient_accumulation_steps`` micro-steps.
 
         Gradients are synchronised (and optimizer/scheduler step) only on the last micro-step
-        of each group, and on the last batch of a prepared DataLoader. With
+        of each group, and on the last batch of a prepared DataLoader (unless
+        ``GradientAccumulationPlugin(sync_with_dataloader=False)``). With
         ``GradientAccumulationPlugin(sync_each_batch=True)`` every backward all-reduces (less
         memory with large models), while the optimizer still steps once per group.
 
@@ -68,10 +69,11 @@ class TrainingStep(AcceleratorParts):
                 optimizer.zero_grad()
         """
         gs = self._gs
-        gs.micro_step += 1
-        gs.sync_gradients = gs.micro_step % gs.accumulation_steps == 0 or gs.at_loader_end
-        if gs.at_loader_end:
-            gs.micro_step = 0  # the next epoch starts a fresh accumulation group
+        if gs.sync_with_dataloader and gs.end_of_dataloader:
+            gs.micro_step, gs.sync_gradients = 0, True  # the next epoch starts a fresh group
+        else:
+            gs.micro_step += 1
+            gs.sync_gradients = gs.micro_step % gs.accumulation_steps == 0
         with contextlib.ExitStack() as stack:
             if not gs.sync_gradients and not gs.sync_each_batch:
                 for model in models:
@@ -183,36 +185,38 @@ class TrainingStep(AcceleratorParts):
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor | None:
-        """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware).
+        """Clip the total gradient norm (after unscaling fp16 gradients; FSDP-aware) and
+        return it. It clips whenever it is called, as Accelerate's does: inside
+        ``accumulate()`` a micro-step's gradients are partial (and local), so clip where
+        ``accelerator.sync_gradients`` is True.
 
         Example::
 
             accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), max_norm=1.0)
             optimizer.step()
         """
-        if not self._gs.sync_gradients:
-            return None  # gradients are partial mid-accumulation; clip once they are complete
         self.unscale_gradients()
         return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16).
+        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling fp16),
+        whenever it is called (as :meth:`clip_grad_norm_`).
 
         Example::
 
             accelerator.clip_grad_value_(model.parameters(), clip_value=0.5)
         """
-        if self._gs.sync_gradients:
-            self.unscale_gradients()
-            torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     @contextlib.contextmanager
     def profile(
         self, profile_handler: ProfileKwargs | None = None
     ) -> Iterator[torch.profiler.profile]:
         """``torch.profiler.profile`` configured by a ProfileKwargs; with ``output_trace_dir``
-        each rank writes ``trace_rank<i>.json`` (Chrome trace) when the block ends.
+        each rank writes ``profile_<i>.json`` (Chrome trace; Accelerate's name) when the block ends.
 
         Example::
 
@@ -240,7 +244,7 @@ class TrainingStep(AcceleratorParts):
             yield profiler
         if handler.output_trace_dir is not None:
             os.makedirs(handler.output_trace_dir, exist_ok=True)
-            name = f"trace_rank{self.process_index}.json"
+            name = f"profile_{self.process_index}.json"
             profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
             self.wait_for_everyone()
 

@@ -156,7 +156,9 @@ class Strategy:
 
     # -- full state dicts -------------------------------------------------------------------
 
-    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+    def model_state_dict(self, module: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The full state dict; ``unwrap=False`` keeps a wrapper's names (DDP's ``module.``),
+        where the strategy has a plain wrapper; sharded strategies give the model's own."""
         raise NotImplementedError
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:

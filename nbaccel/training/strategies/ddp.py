@@ -58,8 +58,8 @@ class DDPStrategy(Strategy):
     ) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
-    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        return self.unwrap(module).state_dict()
+    def model_state_dict(self, module: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        return (self.unwrap(module) if unwrap else module).state_dict()
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
         self.unwrap(module).load_state_dict(state)

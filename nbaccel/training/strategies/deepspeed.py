@@ -234,7 +234,7 @@ class DeepSpeedStrategy(Strategy):
 
     # -- state --------------------------------------------------------------------------------
 
-    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+    def model_state_dict(self, module: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """Full weights on every rank (ZeRO-3 gathers them: call it on every rank)."""
         inner = self.unwrap(module)
         params = [p for p in inner.parameters() if hasattr(p, "ds_id")]  # ZeRO-3 partitioned

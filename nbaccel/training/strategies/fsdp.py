@@ -149,7 +149,7 @@ class FSDPStrategy(Strategy):
 
     # -- full state dicts (get_state_dict, save_model, FULL_STATE_DICT checkpoints) ----------
 
-    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+    def model_state_dict(self, module: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         if not isinstance(module, FSDPModule):
             return module.state_dict()
         # A collective: every rank calls it (rank 0 alone gets it with state_dict_config's

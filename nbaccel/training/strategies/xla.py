@@ -75,7 +75,7 @@ class XLAStrategy(Strategy):
             self._reduce(optimizer)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
-    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+    def model_state_dict(self, module: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         return module.state_dict()
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:

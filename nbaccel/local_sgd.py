@@ -1,0 +1,11 @@
+"""Accelerate's ``accelerate.local_sgd`` path: ``LocalSGD`` (see
+:mod:`nbaccel.training.local_sgd`).
+
+>>> from nbaccel.local_sgd import LocalSGD
+>>> LocalSGD.__name__
+'LocalSGD'
+"""
+
+from nbaccel.training.local_sgd import LocalSGD
+
+__all__ = ["LocalSGD"]
