@@ -124,10 +124,20 @@ def test_save_writes_on_the_main_process_only(tmp_path):
     assert (tmp_path / "node.safetensors").exists()  # save_on_each_node: local rank 0 writes
 
 
-def test_load_checkpoint_in_model_casts_and_refuses_big_model_loading(tmp_path):
-    model = torch.nn.Linear(2, 2)
-    U.save(model.state_dict(), tmp_path / "w.pt")
-    U.load_checkpoint_in_model(model, tmp_path / "w.pt", dtype="bfloat16")
+def test_load_checkpoint_in_model_loads_as_accelerate_does_and_refuses_big_model_loading(tmp_path):
+    from accelerate.utils import load_checkpoint_in_model as accelerate_load
+
+    saved = torch.nn.Linear(2, 2)
+    U.save(saved.state_dict(), tmp_path / "w.pt")
+    ours, theirs = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    # dtype without a device_map changes nothing in Accelerate 1.15: the weights load exactly
+    # (nbaccel rounded them through bfloat16, keeping float32 parameters: other numbers).
+    U.load_checkpoint_in_model(ours, tmp_path / "w.pt", dtype="bfloat16")
+    accelerate_load(theirs, str(tmp_path / "w.pt"), dtype="bfloat16")
+    for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(ours.weight, saved.weight)
+    model = ours
     with pytest.raises(ValueError, match="device_map .*big-model loading.*not supported"):
         U.load_checkpoint_in_model(model, tmp_path / "w.pt", device_map="auto")
 

@@ -57,7 +57,14 @@ globals().update({name: _package_check(name, pkgs) for name, pkgs in PACKAGES.it
 
 def is_rich_available() -> bool:
     """Whether rich is installed and ``ACCELERATE_ENABLE_RICH`` is set: Accelerate uses rich's
-    tracebacks and logging only on request, so an installed rich alone says False."""
+    tracebacks and logging only on request, so an installed rich alone says False.
+
+    >>> import os
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {"ACCELERATE_ENABLE_RICH": "0"}):
+    ...     is_rich_available()
+    False
+    """
     flag = os.environ.get("ACCELERATE_ENABLE_RICH", "").strip().lower()
     return capabilities.package_available("rich") and flag in ("1", "t", "true", "y", "yes", "on")
 

@@ -258,14 +258,21 @@ def load_checkpoint_in_model(
     full_state_dict: bool = True,
     broadcast_from_rank0: bool = False,
 ) -> None:
-    """Load a file or ``save_model`` folder into ``model`` (Accelerate's name and parameters),
-    its floating-point weights cast to ``dtype`` when given. Big-model loading (``device_map``,
-    offloading, 8-bit, sharded state dicts) is refused with the reason.
+    """Load a file or ``save_model`` folder into ``model`` (Accelerate's name and parameters).
+    ``dtype`` is accepted and, as in Accelerate 1.15 without a ``device_map``, changes nothing:
+    the weights are loaded exactly (cast the model yourself: ``model.to(torch.bfloat16)``).
+    Big-model loading (``device_map``, offloading, 8-bit, sharded state dicts) is refused with
+    the reason.
 
-    Example::
-
-        load_checkpoint_in_model(model, "out/")
-        load_checkpoint_in_model(model, "out/model.safetensors", dtype=torch.bfloat16)
+    >>> import tempfile, nbaccel
+    >>> accelerator = nbaccel.Accelerator(cpu=True)
+    >>> torch.manual_seed(0) and None
+    >>> saved, fresh = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     accelerator.save_model(saved, folder)  # the folder holds model.safetensors
+    ...     load_checkpoint_in_model(fresh, folder, dtype=torch.bfloat16)
+    >>> fresh.weight.dtype, torch.equal(fresh.weight, saved.weight)  # as Accelerate's
+    (torch.float32, True)
     """
     big_model = {
         "device_map": device_map is not None,
@@ -284,9 +291,6 @@ def load_checkpoint_in_model(
             "the model, or shard it with FSDP after loading."
         )
     state = load_state_dict_files(checkpoint)
-    if dtype is not None:
-        target = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
     _fill_tied(model, state)
     model.load_state_dict(state, strict=strict)
 
