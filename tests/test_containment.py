@@ -143,6 +143,67 @@ def test_processes_of_failed_killed_or_timed_out_ranks_are_stopped(tmp_path, how
     assert wait_until_none_running(tmp_path) == []
 
 
+def rank_1_dies_beside_a_forked_child(directory):
+    """Rank 1 dies (SIGKILL, as the OOM killer does) while a child it forked, which holds what
+    the rank held (a DataLoader worker, a multiprocessing child), lives on."""
+    child = multiprocessing.get_context("fork").Process(target=_stubborn_child, args=(directory,))
+    child.start()
+    while not Path(directory, f"{child.pid}.pid").exists():
+        time.sleep(0.01)
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1000)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_a_rank_killed_beside_its_forked_child_is_noticed_without_a_fork_server(
+    tmp_path, start_method
+):
+    """Before: the child kept the rank's end of multiprocessing's exit pipe (the sentinel) open,
+    so the kernel never heard that rank 1 had died, and the launch waited for ever (rank 0 ran
+    on). A fork server reports a rank's exit itself; without one the kernel asks the status."""
+    started = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 .*SIGKILL"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", LeftoverProcessesWarning)
+        nbaccel.notebook_launcher(
+            rank_1_dies_beside_a_forked_child,
+            args=(str(tmp_path),),
+            num_processes=2,
+            start_method=start_method,
+            timeout=20,
+        )
+    assert time.monotonic() - started < 15
+    assert len(list(tmp_path.glob("*.pid"))) == 2
+    assert wait_until_none_running(tmp_path) == []
+
+
+def start_everything_then_rank_1_is_killed(directory):
+    start_everything(directory)
+    time.sleep(0.5)  # the kernel's looks at the descendants are 0.1 s apart
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1000)
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_a_killed_ranks_daemon_is_stopped_without_a_fork_server(tmp_path, start_method):
+    """Without a fork server to adopt them, a SIGKILLed rank's descendants re-parent to pid 1:
+    members of its session were swept, but a daemon (a session of its own) ran on. The
+    kernel now notes them while the rank lives (one orphaned within 0.1 s of the rank's death
+    can still escape)."""
+    with pytest.raises(RankFailedError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", LeftoverProcessesWarning)
+        nbaccel.notebook_launcher(
+            start_everything_then_rank_1_is_killed,
+            args=(str(tmp_path),),
+            num_processes=2,
+            start_method=start_method,
+            timeout=30,
+        )
+    assert len(list(tmp_path.glob("*.pid"))) >= 6
+    assert wait_until_none_running(tmp_path) == []
+
+
 SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})

@@ -74,3 +74,22 @@ def test_q_in_launch_debug_stops_the_launch(kernel):
     assert kernel.execute("launch.debug()", answer=answer).error is None
     result = kernel.execute("launch.result(timeout=30)")
     assert result.error is not None and result.error["ename"] == "LaunchStoppedError"
+
+
+def test_stop_at_the_prompt_of_launch_debug_stops_the_launch_without_nbaccels_frames(kernel):
+    """Stop while ``launch.debug()``'s input box waits: the launch stops as ``stop()`` stops it
+    (documented with ``q``, which the test above covers). Before, the cell's error showed the
+    relay's frames down to ipykernel's ``_input_request`` for a press of the Stop button."""
+    assert kernel.execute(START, timeout=60).error is None
+
+    def stop(prompt: str) -> None:
+        kernel.interrupt()  # the Stop button while the input box waits
+
+    cell = kernel.execute("launch.debug()", answer=stop)
+    assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
+    assert "the launch is stopping" in cell.error_text, cell.error_text
+    # (IPython shows the frame that raised, launch.debug's, as for a blocking launch's Stop)
+    text = cell.error_text
+    assert "debugging.py" not in text and "kernelbase.py" not in text, text  # their frames
+    result = kernel.execute("launch.result(timeout=30)")
+    assert result.error is not None and result.error["ename"] == "LaunchStoppedError"

@@ -64,3 +64,56 @@ def test_debug_after_a_cell_error_enters_the_failing_ranks_real_frames(ranks):
     # The next cell let go of the failure: %debug now says so.
     again = ranks.execute("%debug", answer=typed()[0])
     assert again.error is not None and "no failed cell to debug" in again.error_text
+
+
+def stop_at_first_prompt(kernel, later: str):
+    """Presses Stop while the first input box waits (as test_debug_breakpoint does for a
+    launch); any later prompt is answered ``later``, so a cell that asks again ends instead of
+    waiting for a person."""
+    prompts: list[str] = []
+
+    def answer(prompt: str) -> str | None:
+        prompts.append(prompt)
+        if len(prompts) == 1:
+            kernel.interrupt()
+            return None
+        return later
+
+    return answer, prompts
+
+
+def assert_interrupted_and_alive(ranks, cell) -> None:
+    assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt", cell.error_text
+    assert "the ranks are alive" in cell.error_text, cell.error_text
+    after = ranks.execute("%%ranks\nkept")  # the ranks lived on, with their state
+    assert "[rank0] Out: 'state'" in after.stdout, after.error_text
+    assert "[rank1] Out: 'state'" in after.stdout, after.error_text
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "x = input('name? ')",  # both ranks ask: the other rank's question was asked next
+        "breakpoint()\ny = 1",  # both ranks in pdb: pdb catches the interrupt and asks again
+        "if accelerator.process_index == 1:\n    breakpoint()\ny = 1",
+    ],
+    ids=["input-on-both", "breakpoint-on-both", "breakpoint-on-one"],
+)
+def test_stop_at_a_prompt_interrupts_the_cell_and_asks_nothing_more(ranks, code):
+    """Before: the input box came back (another rank's question, or pdb's own after
+    ``--KeyboardInterrupt--``) and a second Stop broke the ranks, losing their state."""
+    assert ranks.execute("%%ranks\nkept = 'state'").error is None
+    answer, prompts = stop_at_first_prompt(ranks, later="c")
+    cell = ranks.execute(f"%%ranks\n{code}", answer=answer, timeout=60)
+    assert len(prompts) == 1, prompts
+    assert_interrupted_and_alive(ranks, cell)
+
+
+def test_q_in_one_ranks_pdb_interrupts_the_cell_and_the_other_rank_is_not_asked(ranks):
+    """Before: ``q`` at rank 0's prompt interrupted the cell, rank 1's pdb asked again, and its
+    ``q`` (a second interrupt) broke the ranks."""
+    assert ranks.execute("%%ranks\nkept = 'state'").error is None
+    answer, prompts = typed("q", "q")
+    cell = ranks.execute("%%ranks\nbreakpoint()\ny = 1", answer=answer, timeout=60)
+    assert len(prompts) == 1, prompts
+    assert_interrupted_and_alive(ranks, cell)

@@ -380,3 +380,19 @@ def test_a_magic_or_shell_line_in_a_ranks_cell_says_what_to_do(ranks):
     # IPython shows a UsageError as one line on stderr
     assert "line 2, '!pip list': ranks run plain Python" in cell.stderr, cell.stderr
     assert "SyntaxError" not in cell.stdout + cell.stderr
+
+
+def test_a_ranks_object_rebound_after_its_error_stops_its_ranks(kernel):
+    """Running ``r = nbaccel.Ranks(2)`` again after one of its cells failed (Run All after a
+    fix): the old session's ranks stop as they do after any rebinding. Before, the error IPython
+    keeps for ``%debug`` (``sys.last_traceback``) held the old session through nbaccel's frames,
+    so its ranks ran on, with no handle left to stop them, until the next error."""
+    cell = kernel.execute("_r = nbaccel.Ranks(2)\n_old = _r.pids\n_r.run('1/0')")
+    assert cell.error is not None and cell.error["ename"] == "CellError", cell.error_text
+    assert "ZeroDivisionError" in cell.error_text  # the error still reads as it did
+    cell = kernel.execute("_r = nbaccel.Ranks(2)\nprint(_old)")
+    assert cell.error is None, cell.error_text
+    try:
+        assert _gone(eval(cell.stdout.strip()), timeout=5)  # a list of ints printed by the kernel
+    finally:
+        kernel.execute("_r.stop()")

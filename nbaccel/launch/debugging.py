@@ -9,6 +9,10 @@ cell) the kernel connects to the rank and the loop (``launch.loop``) watches the
 the notebook's own ``input()``: in a kernel, ipykernel's ``input_request`` on the stdin channel,
 the input box JupyterLab, Notebook 7, VS Code and Colab show. Ctrl-C (the Stop button) at the
 prompt, and pdb's ``q``, end the launch as Stop does (a ``KeyboardInterrupt`` in the loop).
+In a ``%%ranks`` cell they interrupt the cell instead, and then (:meth:`Debugging.interrupt`)
+the notebook is asked nothing more for that cell: a question a rank had sent already, or asks
+on its way out (pdb asks again after its ``--KeyboardInterrupt--``), is answered
+``("interrupt",)``, which ends that rank's ``input()`` or pdb with a ``KeyboardInterrupt``.
 
 While any rank is paused the loop holds the hang timeout and the stall detection still
 (:meth:`Debugging.holding`). Two ranks that pause are answered in the order they ask.
@@ -74,6 +78,22 @@ class Debugging:
         self._quit = False  # q in a conversation served by serve_here
         self._current: int | None = None  # the rank answered last, and when
         self._answered_at = 0.0
+        # A %%ranks cell was interrupted: nobody is asked for it any more (see interrupt)
+        self.interrupted = False
+
+    def interrupt(self) -> None:
+        """The ``%%ranks`` cell these ranks run was interrupted (Stop or Ctrl-C, at a prompt or
+        not; pdb's ``q``): ask the notebook nothing more for it. Each question a rank asks from
+        now on, or had asked already, is answered ``("interrupt",)``, and pdb's ``q`` (how a
+        rank's pdb ends then) only ends that rank's conversation. Without this, a question
+        another rank had sent before the interrupt was asked next, of a rank that had already
+        left its ``input()``, and pdb, which catches the interrupt and asks again, asked again:
+        a second Stop there broke the ranks and lost their state."""
+        self.interrupted = True
+
+    def resume(self) -> None:
+        """A new cell: its ranks' questions are the notebook's again."""
+        self.interrupted = False
 
     def holding(self) -> bool:
         """Whether a rank is paused for a person (the timeout and stall detection wait)."""
@@ -160,7 +180,7 @@ class Debugging:
         if conn is None:
             return
         current = self.connections.get(self._current) if self._current is not None else None
-        if current is not None and self._current != rank:
+        if current is not None and self._current != rank and not self.interrupted:
             # One conversation at a time: the rank answered last usually asks again at once
             # (its next prompt); only one that runs on (a long `n`) lets another rank in.
             wait = STAY_WITH_CURRENT - (time.monotonic() - self._answered_at)
@@ -174,11 +194,16 @@ class Debugging:
                 if kind == "out":
                     sys.stdout.write(rest[0])
                     sys.stdout.flush()
+                elif kind == "ask" and self.interrupted:
+                    conn.send(("interrupt",))  # nobody is asked: the cell was interrupted
                 elif kind == "ask":
                     with meanwhile():
                         reply = self._ask(rest[0])
                     conn.send(reply)
                     self._current, self._answered_at = rank, time.monotonic()
+                elif kind == "quit" and self.interrupted:
+                    self._close(rank, unwatch)  # its pdb ends with the cell's interrupt
+                    return
                 elif kind == "quit":
                     sys.stdout.flush()
                     raise KeyboardInterrupt(f"q in the debugger of rank {rank}")

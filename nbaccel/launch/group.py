@@ -9,6 +9,7 @@ process group, and reaping also kills whatever the ranks left running wherever i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import multiprocessing
@@ -32,6 +33,8 @@ STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
 # Seconds a SIGKILLed rank's exit status may take to come from its fork server; a server that
 # takes longer has stopped answering (hung, or stopped) and would hold the kernel forever.
 KILLED_STATUS_WAIT = 5.0
+# s between looks at the ranks' descendants where no fork server adopts a dead rank's orphans
+DESCENDANT_LOOK = 0.1
 
 
 @dataclasses.dataclass
@@ -163,6 +166,10 @@ class RankGroup(StopSequence):
         self._kill_at: float | None = None  # set by begin_stop
         # (pid, command) of processes the ranks left running that reaping killed
         self.strays: list[tuple[int, str]] = []
+        # pid -> start time: descendants in sessions of their own, seen while the ranks lived
+        # (spawn, fork: see note_descendants)
+        self._daemons: dict[int, float] = {}
+        self._next_descendant_look = 0.0
         # Hears what the start waits for before the forks (the fork server's imports), in
         # words, about every 0.2 s, and None once the ranks are starting (a launch's view).
         self.waiting: Callable[[str | None], None] = lambda what: None
@@ -299,8 +306,10 @@ class RankGroup(StopSequence):
     def notice_unreported(self) -> None:
         """A rank that ended by itself under a server that stopped answering is never
         reported, and the launch would wait for it forever: once a second, note ranks that
-        are dead but unreported; after ``_kill_wait`` s, see :meth:`_statuses_late`."""
+        are dead but unreported; after ``_kill_wait`` s, see :meth:`_statuses_late`. (Each
+        loop turn; also :meth:`note_descendants`.)"""
         now = time.monotonic()
+        self.note_descendants(now)
         if self._kill_wait is None or now < self._next_look:
             return
         self._next_look = now + 1.0
@@ -308,6 +317,44 @@ class RankGroup(StopSequence):
         self._dead_since = {p: self._dead_since.get(p, now) for p in unreported}
         if any(now - since >= self._kill_wait for since in self._dead_since.values()):
             self._statuses_late()
+
+    def note_descendants(self, now: float) -> None:
+        """Without a fork server (``spawn``, ``fork``) the orphans of a rank that dies abruptly
+        (SIGKILL, a crash: it cannot stop them itself) re-parent to pid 1, where the sweep finds
+        the members of its session but not a daemon, which started a session of its own. While
+        the ranks live every process they caused is below them (each is a subreaper), so every
+        ``DESCENDANT_LOOK`` s note those daemons by pid and start time; :meth:`reap` kills the
+        ones still running. One started and orphaned between two looks can still escape."""
+        if self.start_method == "forkserver" or now < self._next_descendant_look:
+            return
+        self._next_descendant_look = now + DESCENDANT_LOOK
+        for r in self.alive():
+            below = processes.child_pids(r.pid) or []
+            while below:
+                pid = below.pop()
+                if pid in self._daemons:
+                    continue
+                with contextlib.suppress(OSError, psutil.Error):
+                    if os.getsid(pid) != r.pid:
+                        self._daemons[pid] = psutil.Process(pid).create_time()
+                below += processes.child_pids(pid) or []
+
+    def _sweep_daemons(self) -> list[tuple[int, str]]:
+        """Kill the daemons :meth:`note_descendants` saw that still run (same pid and start
+        time), and the members of their sessions."""
+        found = []
+        for pid, created in self._daemons.items():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 0.01 and processes.alive(p):
+                    found.append(p)
+        self._daemons.clear()
+        if not found:
+            return []
+        killed = [(p.pid, processes.describe(p)) for p in found]
+        processes.signal_all(found, signal.SIGKILL)
+        psutil.wait_procs(found, timeout=1.0)
+        return killed + containment.sweep({p.pid for p in found}, set(), self.server.live)
 
     def reap(self) -> None:
         """Reap every rank (they must have exited), then kill what they left running."""
@@ -317,6 +364,7 @@ class RankGroup(StopSequence):
                 r.reap()
         if pids:
             self.strays += self.server.reaped(pids)
+            self.strays += self._sweep_daemons()
 
 
 def _dead(pid: int) -> bool:

@@ -328,10 +328,18 @@ class Launch(concurrent.futures.Future[Any]):
         "rank 1 paused in ..."). ``q`` or Ctrl-C at the prompt stops the launch, as ``stop()``
         does. Returns how many ranks were served (0: none was paused).
         """
+        __tracebackhide__ = True
         relay = self.relay
         if relay is None:
             return 0
-        return relay.debug.serve_here(on_quit=self._stopping.set)
+        try:
+            return relay.debug.serve_here(on_quit=self._stopping.set)
+        except KeyboardInterrupt:
+            # The relay's frames, down to the kernel's input box, would only be noise here.
+            raise KeyboardInterrupt(
+                "launch.debug() interrupted; the launch is stopping (launch.result() raises "
+                "LaunchStoppedError)"
+            ) from None
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._ended().__await__()

@@ -13,6 +13,10 @@ shares, here and nowhere else:
 - **exit status**: a rank's sentinel can fire a moment before its status is collectable; the
   loop goes on reading the other ranks meanwhile (never a blocking join) and hands the exit to
   the job once the status is there (or after ``EXIT_STATUS_WAIT``);
+  and a rank's status can be there while its sentinel never fires: without a fork server the
+  sentinel is the end of a pipe the rank holds, and a child it forked (a DataLoader worker, a
+  multiprocessing child) holds it too, beyond the rank's death. Every ``STATUS_LOOK`` s the loop
+  asks each rank it has not heard end for its status (``exitcode()`` never blocks);
 - **Ctrl-C**: a ``KeyboardInterrupt`` inside the loop goes to the job's ``on_interrupt`` (a
   launch re-raises it; a cell interrupts its ranks and goes on);
 - **a paused rank** (``breakpoint()``/``input()``, ``launch.debugging``): its conversation is
@@ -34,6 +38,7 @@ from nbaccel.launch.relay import Relay
 
 TICK = 0.05  # seconds between turns while nothing arrives
 EXIT_STATUS_WAIT = 30.0  # s a rank's exit status may lag behind its sentinel
+STATUS_LOOK = 0.5  # s between looks at the status of ranks whose sentinel has not fired
 
 
 class Job(Protocol):
@@ -60,7 +65,8 @@ def follow(relay: Relay, job: Job) -> None:
     """Run the loop until ``job.finished()``; the job's own errors propagate."""
     deadline = None if job.timeout is None else time.monotonic() + job.timeout
     exiting: dict[int, tuple[RankProcess, float]] = {}  # sentinel fired, status not yet there
-    turn_started = time.monotonic()
+    ended: set[int] = set()  # ranks whose exit went to the job
+    turn_started = next_look = time.monotonic()
     while not job.finished():
         try:
             held = relay.debug.holding()  # a rank paused at the turn's start
@@ -75,9 +81,16 @@ def follow(relay: Relay, job: Job) -> None:
                     relay.answer_debugger(r)
                 else:
                     relay.read(r, kind)
+            if time.monotonic() >= next_look:  # a status whose sentinel never fires
+                next_look = time.monotonic() + STATUS_LOOK
+                for r in relay.group.ranks:
+                    if r.rank not in exiting and r.rank not in ended and r.exitcode() is not None:
+                        relay.unwatch(r.sentinel)
+                        exiting[r.rank] = (r, time.monotonic())
             for rank, (r, since) in list(exiting.items()):
                 if r.exitcode() is not None or time.monotonic() - since > EXIT_STATUS_WAIT:
                     del exiting[rank]
+                    ended.add(rank)
                     relay.drain(r)
                     job.on_exit(r, r.exitcode())
             now = time.monotonic()

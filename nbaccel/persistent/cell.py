@@ -137,6 +137,7 @@ class CellJob:
             if self.command.kernel_cell is not None:  # and names it as IPython does: In[n]
                 name_cell(name, self.command.kernel_cell)
         data = pickle.dumps(self.command, protocol=pickle.HIGHEST_PROTOCOL)
+        self.relay.debug.resume()  # this cell's prompts are the notebook's (until interrupted)
         # Every rank gets the command or none does: a Ctrl-C between two sends would leave
         # one rank running a cell the kernel no longer follows.
         with sigint_deferred(reraise=False) as pressed:
@@ -260,6 +261,9 @@ class CellJob:
     def _interrupt(self) -> None:
         self.interrupted_at = time.monotonic()
         self.relay.group.send_signal(self.running(), signal.SIGINT)
+        # No prompt of this cell is shown any more: a rank's question already sent (another
+        # rank's input()) or asked again (pdb catches the interrupt) is answered "interrupt".
+        self.relay.debug.interrupt()
 
     def _stack_text(self) -> str:
         if not self.stacks:

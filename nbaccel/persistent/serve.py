@@ -12,6 +12,7 @@ collective that other ranks will never join from a slow cell. Never imports IPyt
 from __future__ import annotations
 
 import ast
+import bdb
 import builtins
 import copy
 import linecache
@@ -125,7 +126,8 @@ def _execute(command: Command, namespace: dict[str, Any], cell: _Cell, rank: int
         if value is not None and (command.kind != "run" or command.want_value):
             done.value = _pickle_value(value, command.kind)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the kernel
-        done.interrupted = isinstance(exc, KeyboardInterrupt) and cell.interrupted
+        # pdb quits (BdbQuit) when the interrupt reaches a rank at its prompt
+        done.interrupted = isinstance(exc, (KeyboardInterrupt, bdb.BdbQuit)) and cell.interrupted
         if done.interrupted:
             _drop_handler_frame(exc)
         elif command.kind != "debug":

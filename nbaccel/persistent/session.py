@@ -11,6 +11,7 @@ CPU, NCCL with one GPU per rank), ``torch`` and ``dist`` (``torch.distributed``)
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import shutil
@@ -19,9 +20,11 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
 from nbaccel.core import pickling
+from nbaccel.core.local_traceback import is_nbaccel_file
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.errors import RankFailedError
 from nbaccel.launch.group import STOP_GRACE
@@ -44,6 +47,57 @@ from nbaccel.persistent.status import StatusTable, rank_rows
 from nbaccel.ui import View, wants_widgets
 from nbaccel.ui.busy import BusyBeacon
 from nbaccel.ui.launch_state import Outcome
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def lets_go_on_error(method: Method) -> Method:
+    """An error leaving ``method`` holds no reference to the session: nbaccel's frames (where
+    ``self`` is a local; IPython hides them anyway) are taken out of its traceback and of those
+    of the errors chained to it.
+
+    IPython keeps the last error for ``%debug`` (``sys.last_traceback``) until the next one,
+    and a session an error holds is never collected: running ``r = nbaccel.Ranks(2)`` again
+    after one of its cells failed left the old ranks running, with no handle to stop them.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return method(*args, **kwargs)
+        except BaseException as exc:
+            del args, kwargs  # this frame stays in the traceback: it must not hold the session
+            _drop_nbaccel_frames(exc)
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _drop_nbaccel_frames(exc: BaseException) -> None:
+    """Take nbaccel's frames out of the tracebacks of ``exc`` and of the errors chained to it
+    (the frames of the user's code, a ``__reduce__`` that failed in ``push``, stay)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        error.__traceback__ = _without_nbaccel_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
+
+
+def _without_nbaccel_frames(tb: TracebackType | None) -> TracebackType | None:
+    kept = []
+    while tb is not None:
+        if not is_nbaccel_file(tb.tb_frame.f_code.co_filename):
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
 
 
 class Ranks:
@@ -136,6 +190,7 @@ class Ranks:
     def pids(self) -> list[int]:
         return [r.pid for r in self._relay.group.ranks] if self._relay else []
 
+    @lets_go_on_error
     def start(self) -> Ranks:
         """Start the ranks and form the process group; returns once every rank is ready."""
         __tracebackhide__ = True
@@ -199,6 +254,7 @@ class Ranks:
                 conn.send_bytes(pickle.dumps(Command(cell=-1, kind="stop")))
         self._shutdown(grace=STOP_GRACE)
 
+    @lets_go_on_error
     def restart(self) -> Ranks:
         """Stop the ranks (if any) and start fresh ones with the same settings."""
         self.stop()
@@ -239,6 +295,7 @@ class Ranks:
 
     # -- commands ---------------------------------------------------------------------------
 
+    @lets_go_on_error
     def run(
         self,
         code: str,
@@ -279,6 +336,7 @@ class Ranks:
             return [d.value_repr for d in done]
         return [load_payload(d.rank, d.value) for d in done]
 
+    @lets_go_on_error
     def call(
         self, function: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None
     ) -> list[Any]:
@@ -289,12 +347,14 @@ class Ranks:
         )
         return [load_payload(d.rank, d.value) for d in self._run(command, ranks, UNSET)]
 
+    @lets_go_on_error
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
         """Each rank's value of ``name`` (tensors moved to the CPU), in rank order."""
         __tracebackhide__ = True
         done = self._run(Command(cell=0, kind="pull", names=[name]), ranks, UNSET)
         return [load_payload(d.rank, d.value)[0] for d in done]
 
+    @lets_go_on_error
     def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
         """Give every (or the listed) rank these names, e.g. ``ranks.push(lr=0.1)``."""
         __tracebackhide__ = True
@@ -310,6 +370,7 @@ class Ranks:
                 ) from exc
         self._run(Command(cell=0, kind="push", values=payload), ranks, UNSET)
 
+    @lets_go_on_error
     def debug(self, rank: int) -> None:
         """Open pdb in the notebook on ``rank``'s last failed cell: its real frames and
         locals, alive on the rank (``%debug`` after a ``CellError`` does this)."""

@@ -17,7 +17,9 @@ The event pipe stays one-way; the socket is authenticated with a key only the ev
 The messages, as pickled tuples on a ``multiprocessing.connection.Connection``:
 
 - kernel to rank: ``("labels", {file: "Cell In[4]"})`` first, then ``("line", text)`` per
-  ``ask``, or ``("unavailable", why)`` where the notebook cannot prompt, or ``("eof",)``;
+  ``ask``, or ``("unavailable", why)`` where the notebook cannot prompt, or ``("eof",)``, or
+  ``("interrupt",)`` once the ``%%ranks`` cell was interrupted (:class:`Interrupted`: ``input()``
+  raises it, pdb quits);
 - rank to kernel: ``("out", text)``, ``("ask", prompt)``, ``("end",)`` (the rank runs on), and
   ``("quit",)`` (pdb's ``q``: the kernel stops the launch as its Stop button does).
 
@@ -68,6 +70,11 @@ PLUMBING_MODULES = frozenset(
 class NoKeyboard(Exception):
     """The notebook cannot prompt (a frontend without stdin, a launch in the background with
     nobody debugging it); the message says why."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The kernel answered a question with the cell's interrupt (a ``%%ranks`` cell stopped
+    while this rank asked, or before it asked again)."""
 
 
 def split_prompt(text: str) -> tuple[str, str]:
@@ -211,6 +218,8 @@ class Console:
             return str(rest[0])
         if kind == "unavailable":
             raise NoKeyboard(str(rest[0]))
+        if kind == "interrupt":
+            raise Interrupted("the cell was interrupted")
         raise EOFError
 
     def close(self) -> None:
@@ -307,7 +316,7 @@ class _PdbInput:
             return self._console.ask(prompt) + "\n"
         except NoKeyboard as why:
             return self._unavailable(str(why))
-        except EOFError:
+        except (EOFError, Interrupted):  # pdb would catch the interrupt and ask again
             return ""  # pdb's end of input: it quits
 
 
