@@ -18,7 +18,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
+from nbaccel.core import (
+    capabilities,
+    hardware,
+    kernel_settings,
+    pickling,
+    rendezvous,
+    shared_tensors,
+)
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int, third_party_env
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver.server import resolve_start_method
@@ -127,6 +134,7 @@ def resolve_plan(
     base_env = _worker_env(info, cfg, env)
     sources = pickling.notebook_sources()
     rng_state = kernel_rng_state()
+    settings = kernel_settings.capture()
     specs = [
         RankSpec(
             rank=info.first_rank + local,
@@ -143,6 +151,7 @@ def resolve_plan(
             sys_path=list(sys.path),
             cwd=_kernel_cwd(),
             rng_state=rng_state,
+            settings=settings,
             transfer=transfer,
         )
         for local in range(nprocs)
