@@ -22,6 +22,7 @@ from nbaccel.core import (
     capabilities,
     hardware,
     kernel_settings,
+    local_traceback,
     pickling,
     rendezvous,
     shared_tensors,
@@ -350,7 +351,7 @@ def _resolve_num_processes(requested: int | None) -> int:
     warnings.warn(
         "num_processes=None and no GPU is visible, so 1 process is started. For several CPU "
         "processes pass num_processes explicitly, e.g. notebook_launcher(fn, num_processes=2).",
-        stacklevel=3,
+        stacklevel=local_traceback.user_stacklevel(),
     )
     return 1
 
@@ -367,7 +368,7 @@ def _name_what_stays_in_the_worker(function: Callable[..., Any]) -> None:
             "num_processes=1 runs it in a worker process (so the kernel never touches CUDA): "
             "those changes stay in the worker. Return the values instead; notebook_launcher "
             "returns what rank 0 returns.",
-            stacklevel=3,
+            stacklevel=local_traceback.user_stacklevel(),
         )
 
 
