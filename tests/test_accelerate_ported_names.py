@@ -26,6 +26,7 @@ MODULE_PATHS = {
     "logging": ["get_logger"],
     "tracking": ["GeneralTracker", "on_main_process", "TensorBoardTracker", "WandBTracker"],
     "state": ["PartialState", "AcceleratorState", "DistributedType"],
+    "local_sgd": ["LocalSGD"],
 }
 
 

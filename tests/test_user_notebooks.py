@@ -53,12 +53,16 @@ import transformers
 """
 
 
-def _launch(kernel: KernelSession, lib: str, function: str, args: str = "()") -> str:
-    """Launch ``function`` with ``lib``'s notebook_launcher (its Accelerator the cell's global);
-    the lines its ranks printed on stdout and stderr, without nbaccel's own lines and labels."""
+def _launch(
+    kernel: KernelSession, lib: str, function: str, args: str = "()", imports: str = ""
+) -> str:
+    """Launch ``function`` with ``lib``'s notebook_launcher (its Accelerator, gather_object and
+    ``imports`` with ``LIB`` for the library, the cell's globals); the lines its ranks printed on stdout
+    and stderr, sorted, without the launchers' own lines and nbaccel's labels."""
     port = f", use_port='{free_port()}'" if lib == "accelerate" else ""
     cell = kernel.execute(
-        f"from {lib} import Accelerator, notebook_launcher\n"
+        f"from {lib} import Accelerator, notebook_launcher\nfrom {lib}.utils import gather_object\n"
+        f"{imports.replace('LIB', lib)}\n"
         f"notebook_launcher({function}, {args}, num_processes=2{port})",
         timeout=180,
     )
@@ -81,7 +85,7 @@ def _launcher_line(line: str) -> bool:
 @pytest.fixture(scope="module")
 def kernel():
     env = {"ACCELERATE_USE_CPU": "true", "NBACCEL_VIEW": "text"}
-    with KernelSession(env=env, background_shutdown=True, startup=IMPORTS) as k:
+    with KernelSession(env=env, background_shutdown=True, startup=IMPORTS + DATA) as k:
         yield k
         assert k.leftovers() == []
 
@@ -98,9 +102,13 @@ def noisy():
     warnings.warn(f"rank {rank}: a UserWarning the notebook silenced")
     transformers.logging.get_logger("transformers.trainer").warning(f"rank {rank}: a warning")
     logging.getLogger("my_project").warning(f"rank {rank}: my project's warning")
-    logging.getLogger("my_project").error(f"rank {rank}: my project's error")
-    print(f"rank {rank}: verbosity {transformers.logging.get_verbosity()},"
-          f" datasets bars {datasets.is_progress_bar_enabled()}", flush=True)
+    # One rank prints: Accelerate's forked ranks share the kernel's stream, their lines mix.
+    seen = gather_object([
+        f"rank {rank}: verbosity {transformers.logging.get_verbosity()}, "
+        f"datasets bars {datasets.is_progress_bar_enabled()}, "
+        f"my_project at {logging.getLogger('my_project').getEffectiveLevel()}"
+    ])
+    accelerator.print("\\n".join(seen))
 """
 
 
@@ -110,10 +118,10 @@ def test_the_kernels_quieting_holds_in_every_rank_as_under_accelerate(kernel):
     ours = _launch(kernel, "nbaccel", "noisy")
     assert ours == theirs
     assert "silenced" not in ours and "a warning" not in ours and "project's warning" not in ours
-    assert ours.count("my project's error") == 2 and ours.count("verbosity 40") == 2
+    assert ours.count("verbosity 40, datasets bars False, my_project at 40") == 2
 
 
-NLP_SETUP = """\
+DATA = """\
 import os, random as _random, tempfile
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
@@ -142,8 +150,18 @@ _features = Features({"sentence1": Value("string"), "sentence2": Value("string")
 raw_datasets = DatasetDict({name: Dataset.from_dict(_split(n, seed), features=_features)
                             for name, n, seed in [("train", 48, 1), ("validation", 36, 2)]})
 
-class _GlueMrpc:  # load_metric("glue", "mrpc") without the download
-    def compute(self, predictions, references):
+class _GlueMrpc:  # load_metric("glue", "mrpc") / evaluate.load("glue", "mrpc") offline
+    def __init__(self):
+        self.seen = []
+
+    def add_batch(self, predictions, references):
+        self.seen.append((predictions, references))
+
+    def compute(self, predictions=None, references=None):
+        if predictions is None:
+            predictions = torch.cat([p for p, _ in self.seen])
+            references = torch.cat([r for _, r in self.seen])
+            self.seen = []
         p, r = torch.as_tensor(predictions), torch.as_tensor(references)
         f1 = 2 * ((p == 1) & (r == 1)).sum().item() / max((p == 1).sum().item() + (r == 1).sum().item(), 1)
         return {"accuracy": (p == r).float().mean().item(), "f1": f1}
@@ -157,6 +175,9 @@ def tokenize_function(examples):
 tokenized_datasets = raw_datasets.map(tokenize_function, batched=True, remove_columns=["idx", "sentence1", "sentence2"])
 tokenized_datasets = tokenized_datasets.rename_column("label", "labels")
 tokenized_datasets.set_format("torch")
+"""
+
+NLP_SETUP = """\
 model = AutoModelForSequenceClassification.from_pretrained(model_checkpoint, num_labels=2)
 
 def create_dataloaders(train_batch_size=8, eval_batch_size=32):
@@ -251,3 +272,104 @@ def test_the_nlp_notebook_prints_accelerates_numbers(kernel):
     ours = _launch(kernel, "nbaccel", "training_function", "(model,)")
     assert ours == theirs
     assert ours.count("epoch ") == 2 and ours.count("last loss ") == 2
+
+
+# Accelerate's examples/by_feature/local_sgd.py pasted into a cell, its get_dataloaders offline
+# (the tiny checkpoint and the MRPC-shaped data above) and evaluate's metric the stand-in.
+LOCAL_SGD = """\
+import argparse
+
+EVAL_BATCH_SIZE = 32
+
+def get_dataloaders(accelerator, batch_size=16):
+    def collate_fn(examples):
+        return tokenizer.pad(examples, padding="longest", return_tensors="pt")
+
+    tokenized = raw_datasets.map(tokenize_function, batched=True, remove_columns=["idx", "sentence1", "sentence2"])
+    tokenized = tokenized.rename_column("label", "labels")
+    train_dataloader = DataLoader(
+        tokenized["train"], shuffle=True, collate_fn=collate_fn, batch_size=batch_size
+    )
+    eval_dataloader = DataLoader(
+        tokenized["validation"], shuffle=False, collate_fn=collate_fn, batch_size=EVAL_BATCH_SIZE
+    )
+    return train_dataloader, eval_dataloader
+
+def training_function(config, args):
+    gradient_accumulation_steps = int(args.gradient_accumulation_steps)
+    local_sgd_steps = int(args.local_sgd_steps)
+    accelerator = Accelerator(
+        cpu=args.cpu, mixed_precision=args.mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps
+    )
+    lr = config["lr"]
+    num_epochs = int(config["num_epochs"])
+    seed = int(config["seed"])
+    batch_size = int(config["batch_size"])
+
+    metric = _GlueMrpc()
+
+    set_seed(seed)
+    train_dataloader, eval_dataloader = get_dataloaders(accelerator, batch_size)
+    model = AutoModelForSequenceClassification.from_pretrained(model_checkpoint, return_dict=True)
+    model = model.to(accelerator.device)
+    optimizer = AdamW(params=model.parameters(), lr=lr)
+    lr_scheduler = get_linear_schedule_with_warmup(
+        optimizer=optimizer,
+        num_warmup_steps=100,
+        num_training_steps=(len(train_dataloader) * num_epochs),
+    )
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+
+    for epoch in range(num_epochs):
+        model.train()
+        with LocalSGD(
+            accelerator=accelerator, model=model, local_sgd_steps=local_sgd_steps, enabled=local_sgd_steps is not None
+        ) as local_sgd:
+            for step, batch in enumerate(train_dataloader):
+                batch.to(accelerator.device)
+                with accelerator.accumulate(model):
+                    output = model(**batch)
+                    loss = output.loss
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+                    local_sgd.step()
+
+        model.eval()
+        for step, batch in enumerate(eval_dataloader):
+            batch.to(accelerator.device)
+            with torch.no_grad():
+                outputs = model(**batch)
+            predictions = outputs.logits.argmax(dim=-1)
+            predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
+            metric.add_batch(
+                predictions=predictions,
+                references=references,
+            )
+
+        eval_metric = metric.compute()
+        accelerator.print(f"epoch {epoch}:", eval_metric)
+        # added: each rank's weights after the epoch's last average, to the last digit
+        weights = sum(p.double().sum() for p in model.parameters()).item()
+        accelerator.print(gather_object([f"weights {weights!r}"]))
+    accelerator.end_training()
+
+config = {"lr": 2e-2, "num_epochs": 2, "seed": 42, "batch_size": 8}
+args = argparse.Namespace(cpu=False, mixed_precision=None, gradient_accumulation_steps=1, local_sgd_steps=2)
+"""
+
+
+def test_accelerates_local_sgd_example_runs_with_the_import_swapped(kernel):
+    # nbaccel had no nbaccel.local_sgd: the example's import failed.
+    setup = kernel.execute(LOCAL_SGD)
+    assert setup.error is None, setup.error_text
+    imports = "from LIB.local_sgd import LocalSGD"
+    run = ("training_function", "(config, args)")
+    theirs = _launch(kernel, "accelerate", *run, imports=imports)
+    ours = _launch(kernel, "nbaccel", *run, imports=imports)
+    assert ours == theirs
+    weights = re.findall(r"\['weights (.*)', 'weights (.*)'\]", ours)
+    assert len(weights) == 2 and all(a == b for a, b in weights)  # averaged: ranks agree

@@ -23,7 +23,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from types import TracebackType
+from types import FrameType, TracebackType
 
 # A traceback's frame line; faulthandler's stack dumps write it without the comma before "in"
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?:,? in (?P<name>.+))?$')
@@ -101,7 +101,7 @@ def user_stacklevel() -> int:
     >>> seen[0].filename == __file__ or not is_nbaccel_file(seen[0].filename)
     True
     """
-    frame = sys._getframe(1)  # the caller, which warns next
+    frame: FrameType | None = sys._getframe(1)  # the caller, which warns next
     level = 1
     while frame is not None and is_nbaccel_file(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
