@@ -50,7 +50,8 @@ def test_profile_free_memory_and_handlers(tmp_path):
     with acc.profile(ProfileKwargs(activities=["cpu"], output_trace_dir=str(tmp_path))) as prof:
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert any("mm" in e.key for e in prof.key_averages())
-    assert os.listdir(tmp_path) == ["trace_rank0.json"]
+    # Accelerate's file name, profile_<rank>.json (PROFILE_PATTERN_NAME), not one of nbaccel's
+    assert os.listdir(tmp_path) == ["profile_0.json"]
     model, opt = acc.prepare(torch.nn.Linear(2, 2), torch.optim.SGD([torch.zeros(1)], lr=0.1))
     assert acc.free_memory(model, opt) == [None, None]
     assert acc.prepared().models == () and acc.prepared().optimizers == ()

@@ -212,7 +212,7 @@ class TrainingStep(AcceleratorParts):
         self, profile_handler: ProfileKwargs | None = None
     ) -> Iterator[torch.profiler.profile]:
         """``torch.profiler.profile`` configured by a ProfileKwargs; with ``output_trace_dir``
-        each rank writes ``trace_rank<i>.json`` (Chrome trace) when the block ends.
+        each rank writes ``profile_<i>.json`` (Chrome trace; Accelerate's name) when the block ends.
 
         Example::
 
@@ -240,7 +240,7 @@ class TrainingStep(AcceleratorParts):
             yield profiler
         if handler.output_trace_dir is not None:
             os.makedirs(handler.output_trace_dir, exist_ok=True)
-            name = f"trace_rank{self.process_index}.json"
+            name = f"profile_{self.process_index}.json"  # Accelerate's PROFILE_PATTERN_NAME
             profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
             self.wait_for_everyone()
 
