@@ -57,15 +57,20 @@ def _launch(
     kernel: KernelSession, lib: str, function: str, args: str = "()", imports: str = ""
 ) -> str:
     """Launch ``function`` with ``lib``'s notebook_launcher (its Accelerator, gather_object and
-    ``imports`` with ``LIB`` for the library, the cell's globals); the lines its ranks printed on stdout
-    and stderr, sorted, without the launchers' own lines and nbaccel's labels."""
+    ``imports`` with ``LIB`` for the library, the cell's globals); the lines its ranks printed
+    on stdout and stderr, sorted, without the launchers' own lines and nbaccel's labels."""
     port = f", use_port='{free_port()}'" if lib == "accelerate" else ""
-    cell = kernel.execute(
+    code = (
         f"from {lib} import Accelerator, notebook_launcher\nfrom {lib}.utils import gather_object\n"
         f"{imports.replace('LIB', lib)}\n"
-        f"notebook_launcher({function}, {args}, num_processes=2{port})",
-        timeout=180,
+        f"notebook_launcher({function}, {args}, num_processes=2{port})"
     )
+    try:
+        cell = kernel.execute(code, timeout=120)
+    except TimeoutError:
+        kernel.interrupt()  # so the module's other tests and its teardown get the kernel back
+        kernel.drain_iopub(5)
+        raise AssertionError(f"{lib}'s launch did not finish in 120 s") from None
     assert cell.error is None, cell.error_text
     lines = (cell.stdout + cell.stderr).splitlines()
     ours = [re.sub(r"^\[rank\d\] ", "", line) for line in lines if not _launcher_line(line)]
