@@ -55,3 +55,14 @@ def test_nothing_is_said_where_nothing_would_be_lost(function, processes):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _plan(function, processes=processes)
+
+
+def test_the_notices_name_the_callers_line_not_nbaccels():
+    # Warned from deep inside notebook_launcher: a fixed stacklevel named nbaccel's own
+    # launcher.py line ("plan = resolve_plan(...)") under the notice, in the cell's output.
+    import nbaccel
+
+    with pytest.warns(UserWarning) as caught:
+        nbaccel.notebook_launcher(fills_the_notebooks_list, progress=False)
+    assert {w.filename for w in caught} == {__file__}
+    assert any("no GPU is visible" in str(w.message) for w in caught)

@@ -47,6 +47,9 @@ class RankSpec:
     sys_path: list[str] | None = None
     cwd: str | None = None
     rng_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The kernel's warnings filters, logger levels and progress-bar switches
+    # (``core.kernel_settings.capture``); empty: leave the process's own.
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Large tensors/arrays of the arguments (one shared block) and the launch token that names
     # result files: a ``shared_tensors.Transfer``, or ``None`` (everything pickled above).
     transfer: Any = None

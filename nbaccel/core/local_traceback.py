@@ -20,6 +20,7 @@ import dataclasses
 import linecache
 import os
 import re
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
@@ -87,6 +88,24 @@ def with_cell_names(text: str, label_for: Callable[[str], str | None] | None = N
 def is_nbaccel_file(filename: str) -> bool:
     """Whether ``filename`` belongs to the nbaccel package (its frames are plumbing here)."""
     return os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that attributes a warning to the first frame outside nbaccel (the
+    user's cell), counted from the caller of this function, whatever nbaccel's call depth.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("x", stacklevel=user_stacklevel())
+    >>> seen[0].filename == __file__ or not is_nbaccel_file(seen[0].filename)
+    True
+    """
+    frame: FrameType | None = sys._getframe(1)  # the caller, which warns next
+    level = 1
+    while frame is not None and is_nbaccel_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Renderer:

@@ -18,7 +18,15 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbaccel.core import capabilities, hardware, pickling, rendezvous, shared_tensors
+from nbaccel.core import (
+    capabilities,
+    hardware,
+    kernel_settings,
+    local_traceback,
+    pickling,
+    rendezvous,
+    shared_tensors,
+)
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int, third_party_env
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver.server import resolve_start_method
@@ -127,6 +135,7 @@ def resolve_plan(
     base_env = _worker_env(info, cfg, env)
     sources = pickling.notebook_sources()
     rng_state = kernel_rng_state()
+    settings = kernel_settings.capture()
     specs = [
         RankSpec(
             rank=info.first_rank + local,
@@ -143,6 +152,7 @@ def resolve_plan(
             sys_path=list(sys.path),
             cwd=_kernel_cwd(),
             rng_state=rng_state,
+            settings=settings,
             transfer=transfer,
         )
         for local in range(nprocs)
@@ -341,7 +351,7 @@ def _resolve_num_processes(requested: int | None) -> int:
     warnings.warn(
         "num_processes=None and no GPU is visible, so 1 process is started. For several CPU "
         "processes pass num_processes explicitly, e.g. notebook_launcher(fn, num_processes=2).",
-        stacklevel=3,
+        stacklevel=local_traceback.user_stacklevel(),
     )
     return 1
 
@@ -358,7 +368,7 @@ def _name_what_stays_in_the_worker(function: Callable[..., Any]) -> None:
             "num_processes=1 runs it in a worker process (so the kernel never touches CUDA): "
             "those changes stay in the worker. Return the values instead; notebook_launcher "
             "returns what rank 0 returns.",
-            stacklevel=3,
+            stacklevel=local_traceback.user_stacklevel(),
         )
 
 

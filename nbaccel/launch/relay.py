@@ -15,15 +15,13 @@ import contextvars
 import os
 import pickle
 import selectors
-import sys
 import threading
 import time
 import warnings
 from collections.abc import Iterator
-from types import FrameType
 from typing import Any
 
-from nbaccel.core import events
+from nbaccel.core import events, local_traceback
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.launch import post_mortem, root_cause
 from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
@@ -260,7 +258,11 @@ class Relay:
         self.group.strays.clear()
         self._leftovers = []
         if found:
-            warnings.warn(leftover_warning(found), LeftoverProcessesWarning, stacklevel=_caller())
+            warnings.warn(
+                leftover_warning(found),
+                LeftoverProcessesWarning,
+                stacklevel=local_traceback.user_stacklevel(),
+            )
 
     def stacks_now(self, alive: list[RankProcess]) -> dict[int, str]:
         """Ask ``alive`` for their Python stacks (``STACK_DUMP_SIGNAL``) and return each rank's
@@ -312,12 +314,3 @@ def load_payload(rank: int, payload: bytes | None) -> Any:
             "Return plain data, tensors or a state_dict, or make the value's class importable "
             "in the kernel."
         ) from exc
-
-
-def _caller() -> int:
-    """The ``stacklevel`` of the first frame outside nbaccel: the user's cell, for a warning."""
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("nbaccel."):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -5,7 +5,9 @@ server's world: the server's working directory and ``sys.path`` (a module import
 after ``os.chdir`` would be missing), the server's RNG states (the same numpy stream on every
 rank and in every launch; ``torch.manual_seed`` in the kernel ignored), and the server's
 multiprocessing start method (DataLoader workers started by a fork server, so a Dataset defined
-in a notebook cell cannot be pickled). :func:`apply` gives the rank what a fork of the kernel
+in a notebook cell cannot be pickled), and the server's warnings filters, logger levels and
+progress-bar switches (``core.kernel_settings``: a notebook's ``warnings.filterwarnings("ignore")``
+or ``transformers.logging.set_verbosity_error()`` would not hold in its ranks). :func:`apply` gives the rank what a fork of the kernel
 would have — what Accelerate's fork launcher gives — except that multiprocessing's default
 start method is the platform's own, as in a fresh interpreter (``fork`` on Linux before Python
 3.14, so DataLoader workers fork from the rank as under torchrun), and Python's ``random`` is
@@ -24,11 +26,13 @@ import random
 import sys
 from typing import Any
 
+from nbaccel.core import kernel_settings
 from nbaccel.core.events import RankSpec
 
 
 def apply(spec: RankSpec) -> None:
-    """Give this process the kernel's sys.path, cwd and RNG states, and a fresh start method."""
+    """Give this process the kernel's sys.path, cwd, RNG states and process-wide settings, and
+    a fresh start method."""
     if spec.cwd is not None:
         try:
             os.chdir(spec.cwd)
@@ -42,6 +46,7 @@ def apply(spec: RankSpec) -> None:
     multiprocessing.set_start_method(None, force=True)  # the platform default, as if fresh
     random.seed()  # fresh per process, as after os.fork()
     set_rng_state(spec.rng_state)
+    kernel_settings.apply(spec.settings)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ PACKAGES = {
     "is_mlflow_available": ("mlflow",),
     "is_pandas_available": ("pandas",),
     "is_pytest_available": ("pytest",),
+    "is_schedulefree_available": ("schedulefree",),
     "is_peft_available": ("peft",),
     "is_swanlab_available": ("swanlab",),
     "is_tensorboard_available": ("tensorboard", "tensorboardX"),

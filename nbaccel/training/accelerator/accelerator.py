@@ -243,6 +243,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
+        # Accelerate's examples/by_feature/automatic_gradient_accumulation.py sets it inside
+        # find_executable_batch_size's retry, after the Accelerator was made.
         self._gs.accumulation_steps, self._gs.steps_given = steps, True
 
     @property
@@ -255,13 +257,28 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
     def step(self, value: int) -> None:
         self._gs.micro_step = value
 
-    sync_gradients = property(lambda self: self._gs.sync_gradients)
+    @property
+    def sync_gradients(self) -> bool:
+        return self._gs.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, sync: bool) -> None:
+        self._gs.sync_gradients = sync
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, even: bool) -> None:
+        # as Accelerate's: loaders prepared from now on (prepared ones keep theirs)
+        self.dataloader_config.even_batches = even
+
     scaler = property(lambda self: self._precision.scaler, doc="The fp16 GradScaler, or None.")
     strategy = property(
         lambda self: self._strategy.name, doc="'ddp', 'fsdp' or 'deepspeed' (nbaccel's)."
     )
     split_batches = property(lambda self: self.dataloader_config.split_batches)
-    even_batches = property(lambda self: self.dataloader_config.even_batches)
     dispatch_batches = property(lambda self: self.dataloader_config.dispatch_batches)
     non_blocking = property(lambda self: self.dataloader_config.non_blocking)
     use_seedable_sampler = property(lambda self: self.dataloader_config.use_seedable_sampler)

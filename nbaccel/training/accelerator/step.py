@@ -244,7 +244,7 @@ class TrainingStep(AcceleratorParts):
             yield profiler
         if handler.output_trace_dir is not None:
             os.makedirs(handler.output_trace_dir, exist_ok=True)
-            name = f"profile_{self.process_index}.json"
+            name = f"profile_{self.process_index}.json"  # Accelerate's PROFILE_PATTERN_NAME
             profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, name))
             self.wait_for_everyone()
 
