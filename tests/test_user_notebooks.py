@@ -60,7 +60,18 @@ def _launch(
     ``imports`` with ``LIB`` for the library, the cell's globals); the lines its ranks printed
     on stdout and stderr, sorted, without the launchers' own lines and nbaccel's labels."""
     port = f", use_port='{free_port()}'" if lib == "accelerate" else ""
+    # Accelerate's forked ranks end in torch's gloo destructor deadlock now and then (an example
+    # that calls end_training(): the group is destroyed, the DDP reducer freed with the function's
+    # locals drops its last reference, ~ProcessGroupGloo joins a thread that waits for the GIL;
+    # native stack seen here, 1 run in ~5 under load). nbaccel's ranks keep destroyed groups
+    # alive for that reason (rank/torch_fixes.py); the forks get the same from the kernel here.
+    keep_groups = (
+        "import torch.distributed\ntorch.distributed.destroy_process_group = lambda group=None: None\n"
+        if lib == "accelerate"
+        else ""
+    )
     code = (
+        f"{keep_groups}"
         f"from {lib} import Accelerator, notebook_launcher\nfrom {lib}.utils import gather_object\n"
         f"{imports.replace('LIB', lib)}\n"
         f"notebook_launcher({function}, {args}, num_processes=2{port})"
