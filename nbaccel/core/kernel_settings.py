@@ -27,6 +27,7 @@ import logging
 import pickle
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 # Library progress-bar switches: module -> (its check, whether the check answers "off" (else
@@ -40,14 +41,25 @@ PROGRESS_SWITCHES: dict[str, tuple[str, bool, str]] = {
 }
 
 
-def capture() -> dict[str, Any]:
+def capture(stays: Callable[[str], bool] = lambda module: False) -> dict[str, Any]:
     """This process's warnings filters, logger levels and progress-bar switches, picklable.
+
+    ``stays(module)``: whether a filter whose warning category is defined in ``module`` stays
+    behind. A rank unpickling the category would import its module: the kernel's side
+    (IPython's completer registers one) must not be loaded in a rank.
 
     >>> sorted(capture())
     ['bars_off', 'loggers', 'logging_disable', 'warnings']
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", ResourceWarning)
+    ...     everything = capture()["warnings"]
+    ...     without = capture(stays=lambda module: module == "builtins")["warnings"]
+    >>> [ResourceWarning in [entry[2] for entry in kept] for kept in (everything, without)]
+    [True, False]
     """
+    filters = [f for f in warnings.filters if not stays(getattr(f[2], "__module__", ""))]
     return {
-        "warnings": _picklable(list(warnings.filters)),
+        "warnings": _picklable(filters),
         "loggers": _logger_settings(),
         "logging_disable": logging.root.manager.disable,
         "bars_off": [name for name in PROGRESS_SWITCHES if _bars_off(name)],

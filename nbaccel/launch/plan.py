@@ -29,6 +29,7 @@ from nbaccel.core import (
 )
 from nbaccel.core.config import ENV_LAUNCHER, LaunchConfig, check_int, third_party_env
 from nbaccel.core.events import RankSpec
+from nbaccel.forkserver.protocol import kernel_side
 from nbaccel.forkserver.server import resolve_start_method
 from nbaccel.launch import capacity, payload, xla
 from nbaccel.launch.kernel_objects import kernel_containers_changed
@@ -135,7 +136,7 @@ def resolve_plan(
     base_env = _worker_env(info, cfg, env)
     sources = pickling.notebook_sources()
     rng_state = kernel_rng_state()
-    settings = kernel_settings.capture()
+    settings = kernel_settings.capture(stays=kernel_side)
     specs = [
         RankSpec(
             rank=info.first_rank + local,
