@@ -337,27 +337,14 @@ def _sample_shards(loader: DataLoader, world: int, rank: int, split: bool) -> Da
     size = loader.batch_size
     assert size is not None
     shard = iterable.SampleShard(loader.dataset, size, loader.drop_last, world, rank, split)
-    kwargs: dict[str, Any] = {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
-        "persistent_workers": loader.persistent_workers,
-    }
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
+    kwargs = _loader_settings(loader, loader.generator)
     return DataLoader(
         shard, batch_size=size // world if split else size, drop_last=loader.drop_last, **kwargs
     )
 
 
-def _rebuild(
-    loader: DataLoader, batch_sampler: ShardedBatchSampler, generator: torch.Generator
-) -> DataLoader:
-    """The same loader (workers, collate, pinning) reading this rank's batches."""
+def _loader_settings(loader: DataLoader, generator: Any) -> dict[str, Any]:
+    """What a loader built in ``loader``'s place keeps of it: workers, collate, pinning."""
     kwargs: dict[str, Any] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
@@ -370,6 +357,14 @@ def _rebuild(
     }
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
+def _rebuild(
+    loader: DataLoader, batch_sampler: ShardedBatchSampler, generator: torch.Generator
+) -> DataLoader:
+    """The same loader (workers, collate, pinning) reading this rank's batches."""
+    kwargs = _loader_settings(loader, generator)
     if getattr(loader, "pin_memory_device", ""):
         kwargs["pin_memory_device"] = loader.pin_memory_device
     if batch_sampler.items_are_batches:
