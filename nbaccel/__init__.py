@@ -29,6 +29,7 @@ _LAZY = {
     "notebook_launcher": "nbaccel.launch.launcher",
     "debug_launcher": "nbaccel.launch.launcher",
     "Launch": "nbaccel.launch.launch",
+    "running": "nbaccel.launch.launch",
     "LaunchOptions": "nbaccel.launch.options",
     "RayCluster": "nbaccel.cluster.ray_cluster",
     "Ranks": "nbaccel.persistent.session",

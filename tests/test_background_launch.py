@@ -33,7 +33,7 @@ def no_launch_left_for_the_next_test(kernel):
     """A failing test stops the launches it left running: otherwise the next tests' checks
     of what runs in the shared kernel would find its ranks and fail too."""
     yield
-    kernel.execute("[v.stop() for v in list(globals().values()) if isinstance(v, nbaccel.Launch)]")
+    kernel.execute("[launch.stop() for launch in nbaccel.running()]")
 
 
 def cell(code: str) -> str:
@@ -226,6 +226,28 @@ def test_stop_leaves_nothing_running(kernel, tmp_path):
     result = kernel.execute("running_launch.result()")
     assert result.error is not None and result.error["ename"] == "LaunchStoppedError"
     assert "all 2 ranks were stopped" in result.error_text
+    assert kernel.leftovers() == []
+
+
+def test_a_launch_whose_cell_was_run_again_is_found_by_running_and_stopped(kernel, tmp_path):
+    # Rerunning `launch = notebook_launcher(..., block=False)` rebinds the name: the first
+    # launch trained on with no handle to stop it (or to debug a rank paused in it).
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    _start_recording(kernel, first, "launch")
+    _start_recording(kernel, second, "launch")  # the same cell, run again
+    assert len(running(first)) == len(running(second)) == 4
+    found = kernel.execute("[l is launch for l in nbaccel.running()]")
+    assert found.error is None, found.error_text
+    assert found.results[-1]["text/plain"] == "[False, True]"  # oldest first
+    stopped = kernel.execute("nbaccel.running()[0].stop()\nlen(nbaccel.running())")
+    assert stopped.error is None, stopped.error_text
+    assert stopped.results[-1]["text/plain"] == "1"
+    assert running(first) == [] and len(running(second)) == 4  # by pid, system-wide
+    kernel.execute("launch.stop()")
+    assert running(second) == []
+    assert kernel.execute("nbaccel.running()").results[-1]["text/plain"] == "[]"
     assert kernel.leftovers() == []
 
 

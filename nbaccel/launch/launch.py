@@ -124,6 +124,42 @@ class RunJob:
         return self.group.alive()
 
 
+# Background launches that have not ended, oldest first: rerunning the cell that held one
+# rebinds its name, and a rank paused there would wait for a handle nobody has (running()).
+_running: list[Launch] = []
+_running_lock = threading.Lock()
+
+
+def running() -> list[Launch]:
+    """This process's background launches (``block=False``) that have not ended, oldest first:
+    how to reach one whose handle was lost (its cell was run again) to ``stop()`` or
+    ``debug()`` it.
+
+    >>> import nbaccel, time
+    >>> def sleep_then(value):
+    ...     time.sleep(30)
+    ...     return value
+    >>> _ = nbaccel.notebook_launcher(
+    ...     sleep_then, args=(1,), num_processes=2, block=False, progress=False
+    ... )  # doctest: +ELLIPSIS
+    nbaccel: launching 2 processes...
+    >>> [(launch.done(), len(launch.ranks)) for launch in running()]  # the handle was dropped
+    [(False, 2)]
+    >>> for launch in running():
+    ...     launch.stop()
+    >>> running()
+    []
+    """
+    with _running_lock:
+        return list(_running)
+
+
+def _forget(launch: concurrent.futures.Future[Any]) -> None:
+    with _running_lock:
+        if launch in _running:
+            _running.remove(launch)
+
+
 class Launch(concurrent.futures.Future[Any]):
     """One launch of ``plan``: run it here (:meth:`run`) or in the background (:meth:`start`).
 
@@ -205,6 +241,9 @@ class Launch(concurrent.futures.Future[Any]):
         self._thread = threading.Thread(
             target=context.run, args=(self._background,), name="nbaccel-launch", daemon=True
         )
+        with _running_lock:
+            _running.append(self)
+        self.add_done_callback(_forget)  # however it ends, cancelled before it started too
         self._thread.start()
         return self
 
