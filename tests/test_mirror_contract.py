@@ -115,6 +115,15 @@ def test_an_import_that_hangs_in_the_server_is_given_up_and_named_once(tmp_path)
         value(kernel, "import nbaccel, nbaccel.forkserver.server as _fs\n0")
         value(kernel, "import nbaccel.core.mp_internals as _mp\n_fs.SERVER.wait_until_ready() or 0")
         value(kernel, "import hangs_in_server\n0")  # the cell's end sends it to the server
+        # Launch once the server is inside that import: a launch that came before it began
+        # would rightly be answered first and never wait for it (a CI run under load did so).
+        under_way = (
+            "import time\n_until = time.monotonic() + 60\n"
+            "while (_fs.SERVER.mirror.importing or ('',))[0] != 'hangs_in_server'"
+            " and time.monotonic() < _until:\n    time.sleep(0.02)\n"
+            "(_fs.SERVER.mirror.importing or ('',))[0]"
+        )
+        assert value(kernel, under_way) == "hangs_in_server"
         value(kernel, "def plain():\n    return 7\n0")
         cell = kernel.execute("nbaccel.notebook_launcher(plain, num_processes=1)", timeout=90)
         assert cell.error is None, cell.error_text
