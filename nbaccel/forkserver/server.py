@@ -159,7 +159,8 @@ class ForkServer:
     ) -> Iterator[None]:
         """Around the forks of a launch's ranks: wait until the server is ready and has
         imported the kernel's modules the function refers to; afterwards let it mirror the
-        rest (in a kernel; elsewhere the server imports only what launched functions need). ``waiting`` hears, about every :data:`~nbaccel.forkserver.mirror.TICK` s, what is
+        rest (in a kernel; elsewhere the server imports only what launched functions need).
+        ``waiting`` hears, about every :data:`~nbaccel.forkserver.mirror.TICK` s, what is
         waited for in words, and ``None`` once the ranks are starting.
 
         A server that broke while mirroring (an import loaded CUDA, took too long, or killed
