@@ -167,7 +167,7 @@ def test_a_ctrl_c_in_a_nested_deferral_is_raised_once_after_the_outer_block():
     step must not cut the rest of the outer block short; it is raised once, at its end."""
     import os
 
-    from nbaccel.launch.containment import sigint_deferred
+    from nbaccel.core.containment import sigint_deferred
 
     steps = []
     with pytest.raises(KeyboardInterrupt, match="launch interrupted"), sigint_deferred():

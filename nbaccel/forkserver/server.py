@@ -24,11 +24,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from nbaccel.core import mp_internals
+from nbaccel.core import containment, mp_internals
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver import mirror
 from nbaccel.forkserver.protocol import ENV_SERVER_LOG
-from nbaccel.launch import containment
 from nbaccel.launch.errors import LaunchError
 from nbaccel.ui import in_kernel
 
@@ -71,7 +70,7 @@ def resolve_start_method(name: str) -> str:
 class ForkServer:
     """This process's fork server, and everything the kernel keeps about it: the modules it
     preloads, its ready marker, its mirror, the lock of rank starts at the mirror, the ranks
-    started from it (:class:`~nbaccel.launch.containment.LiveRanks`), and servers retired
+    started from it (:class:`~nbaccel.core.containment.LiveRanks`), and servers retired
     while ranks still ran from them. There is one, :data:`SERVER`, because CPython's fork
     server is process-wide; a launch and a ``%ranks`` session reach it through their
     :class:`~nbaccel.launch.group.RankGroup`.

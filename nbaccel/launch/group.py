@@ -4,7 +4,7 @@ One :class:`RankGroup` owns its ranks from start to reaping: nothing else sends 
 Each rank gets four pipes of its own (stdout, stderr, crash/stack reports, events), created just
 before it starts so that no rank inherits another's write ends. Stopping reaches a rank's whole
 process group, and reaping also kills whatever the ranks left running wherever it re-parented
-(:mod:`nbaccel.launch.containment`).
+(:mod:`nbaccel.core.containment`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from typing import Any
 
 import psutil
 
-from nbaccel.core import mp_internals, processes
+from nbaccel.core import containment, mp_internals, processes
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver import server as forkserver
-from nbaccel.launch import containment
 from nbaccel.launch.errors import LaunchError
 from nbaccel.rank.entry import run_rank
 

@@ -7,7 +7,7 @@ group, which holds the fork server its ranks start from, and ``relay``, which re
 the view), and follows the ranks with the event loop (``launch.loop``) and a :class:`RunJob`,
 whose policies are a launch's: the first failure stops the other ranks; the timeout collects every
 live rank's stack and raises; ``.stop()`` stops them all. Whatever happens, every rank is reaped
-and what the ranks left running is swept (``launch.containment``) before the attempt returns.
+and what the ranks left running is swept (``core.containment``) before the attempt returns.
 
 Blocking, ``Launch(plan).run()`` is ``notebook_launcher``. In the background
 (``notebook_launcher(..., block=False)``) the same run happens in a thread, in the launching
@@ -28,9 +28,9 @@ from types import TracebackType
 from typing import Any
 
 from nbaccel.core import mp_internals, shared_tensors
+from nbaccel.core.containment import sigint_deferred
 from nbaccel.core.local_traceback import with_cell_names
 from nbaccel.launch import loop, root_cause
-from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,

@@ -7,7 +7,7 @@ launches' ranks), the group's ranks, their clocks (a wait for the server is no s
 relay watching their pipes.
 The teardown: what still runs is stopped (after a wait for the ranks to leave by themselves, if
 asked: SIGTERM, SIGKILL after a grace), every rank is reaped and what the ranks left running is
-swept (``launch.containment``), their last output read and their pipes closed, with Ctrl-C held
+swept (``core.containment``), their last output read and their pipes closed, with Ctrl-C held
 back until it is done. What the ranks do in between is a job's (``launch.loop``).
 
 Example::
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import time
 
+from nbaccel.core.containment import sigint_deferred
 from nbaccel.forkserver import server as forkserver
 from nbaccel.launch import xla
-from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import LaunchPlan

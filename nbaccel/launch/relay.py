@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from nbaccel.core import events, local_traceback
+from nbaccel.core.containment import LeftoverProcessesWarning, leftover_warning
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.launch import post_mortem, root_cause
-from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
 from nbaccel.launch.debugging import Debugging
 from nbaccel.launch.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.launch.failures import describe_raise

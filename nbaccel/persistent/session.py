@@ -24,8 +24,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from nbaccel.core import pickling
+from nbaccel.core.containment import sigint_deferred
 from nbaccel.core.local_traceback import is_nbaccel_file
-from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.errors import RankFailedError
 from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
