@@ -20,9 +20,9 @@ import pytest
 import nbaccel
 from nbaccel import RankFailedError
 from nbaccel.core import mp_internals
+from nbaccel.core.errors import LaunchError
 from nbaccel.forkserver import server as forkserver
 from nbaccel.launch import group, launch
-from nbaccel.launch.errors import LaunchError
 
 pytestmark = pytest.mark.slow  # real ranks, a server stopped for seconds
 

@@ -234,7 +234,7 @@ def test_line_splitter_shows_partial_lines_and_drops_torch_rank_prefix():
 def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
     import linecache
 
-    from nbaccel.launch.errors import RankFailedError
+    from nbaccel.core.errors import RankFailedError
 
     cell_file = "/tmp/ipykernel_4242/123456.py"
     source = "def boom():\n    x = 1\n    raise ValueError('bad batch')\n"

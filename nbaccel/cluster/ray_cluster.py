@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from nbaccel.core import rendezvous
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
-from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.protocols import RankGroup
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

@@ -24,8 +24,8 @@ from typing import Any
 
 from nbaccel.cluster import wire
 from nbaccel.cluster.node import RankHost
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
-from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.group import StopSequence
 
 CONNECT_TIMEOUT = 60.0  # s for every rank's connections to arrive once its actor started it

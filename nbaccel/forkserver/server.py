@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from nbaccel.core import containment, mp_internals
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver import mirror
 from nbaccel.forkserver.protocol import ENV_SERVER_LOG
-from nbaccel.launch.errors import LaunchError
 from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes

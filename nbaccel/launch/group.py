@@ -23,9 +23,9 @@ from typing import Any
 import psutil
 
 from nbaccel.core import containment, mp_internals, processes
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver import server as forkserver
-from nbaccel.launch.errors import LaunchError
 from nbaccel.rank.entry import run_rank
 
 STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL

@@ -29,13 +29,13 @@ from typing import Any
 
 from nbaccel.core import mp_internals, shared_tensors
 from nbaccel.core.containment import sigint_deferred
-from nbaccel.core.local_traceback import with_cell_names
-from nbaccel.launch import loop, root_cause
-from nbaccel.launch.errors import (
+from nbaccel.core.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
 )
+from nbaccel.core.local_traceback import with_cell_names
+from nbaccel.launch import loop, root_cause
 from nbaccel.launch.failures import describe_exit
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle

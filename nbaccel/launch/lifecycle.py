@@ -23,9 +23,9 @@ from __future__ import annotations
 import time
 
 from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import LaunchError
 from nbaccel.forkserver import server as forkserver
 from nbaccel.launch import xla
-from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay

@@ -23,10 +23,10 @@ from typing import Any
 
 from nbaccel.core import events, local_traceback
 from nbaccel.core.containment import LeftoverProcessesWarning, leftover_warning
+from nbaccel.core.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.launch import post_mortem, root_cause
 from nbaccel.launch.debugging import Debugging
-from nbaccel.launch.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.launch.failures import describe_raise
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter

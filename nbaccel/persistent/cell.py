@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
 from nbaccel.core.local_traceback import name_cell, with_cell_names
 from nbaccel.launch import loop, root_cause
-from nbaccel.launch.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
 from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 from nbaccel.core import pickling
 from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import RankFailedError
 from nbaccel.core.local_traceback import is_nbaccel_file
-from nbaccel.launch.errors import RankFailedError
 from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
