@@ -26,7 +26,7 @@ ALLOWED = {
     # Kernel side (ray_cluster, ray_group) and a node's side (node, remote_entry: core, rank).
     "cluster": {"core", "rank", "launch", "ui"},
     # The fork server: the kernel's side (server, mirror) and the server's (guard, preload, ...).
-    "forkserver": {"core", "rank", "launch", "ui"},
+    "forkserver": {"core", "rank", "ui"},
     # Persistent ranks: the kernel's side (session, magics, ...) and the rank's (serve, messages).
     "persistent": {"core", "rank", "launch", "ui"},
 }
@@ -37,6 +37,7 @@ SIDES = {
     "nbaccel.forkserver.importer": {"core", "rank", "forkserver"},
     "nbaccel.forkserver.ready": {"core", "rank", "forkserver"},
     "nbaccel.forkserver.log": {"core", "rank", "forkserver"},
+    "nbaccel.forkserver.launching_script": {"core", "rank", "forkserver"},
     "nbaccel.forkserver.protocol": {"core"},
     "nbaccel.persistent.serve": {"core", "rank", "persistent"},
     "nbaccel.persistent.messages": {"core"},
@@ -45,8 +46,6 @@ SIDES = {
 EXCEPTIONS = {
     # The kernel hands this function to multiprocessing as the rank's entry point.
     ("launch", "nbaccel.rank.entry"),
-    # A script's rank asks whether it runs in the fork server (then it must not start one).
-    ("rank", "nbaccel.forkserver.guard"),
     # XLA devices as threads: the kernel names this host process as the ranks' entry point.
     ("launch", "nbaccel.rank.xla"),
 }

@@ -34,13 +34,13 @@ from nbaccel.ui import in_kernel
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
 # first (the server's own group, subreaper, kill its tree at exit), then its log (its output
 # goes to a file, never into a cell), then the rule that ranks do
-# not run the launching script again (rank.launching_script), then torch, then the
+# not run the launching script again (forkserver.launching_script), then torch, then the
 # launch's own preloads, the mirror (its thread imports what the kernel has) and the ready
 # signal last.
 SERVER_PRELOAD = (
     "nbaccel.forkserver.guard",
     "nbaccel.forkserver.log",
-    "nbaccel.rank.launching_script",
+    "nbaccel.forkserver.launching_script",
     "nbaccel.forkserver.preload",
 )
 SERVER_LAST = ("nbaccel.forkserver.importer", "nbaccel.forkserver.ready")

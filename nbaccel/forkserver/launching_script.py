@@ -12,7 +12,7 @@ Other processes the server forks (a script's own forkserver children share it) p
 
 Example (in the fork server only; a no-op anywhere else)::
 
-    import nbaccel.rank.launching_script  # a rank named "nbaccel-rank0" skips __main__
+    import nbaccel.forkserver.launching_script  # a rank named "nbaccel-rank0" skips __main__
 """
 
 from __future__ import annotations
