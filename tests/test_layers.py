@@ -48,6 +48,8 @@ EXCEPTIONS = {
     ("launch", "nbaccel.rank.entry"),
     # XLA devices as threads: the kernel names this host process as the ranks' entry point.
     ("launch", "nbaccel.rank.xla"),
+    # The views render the launch's model (until the launch stops importing the views).
+    ("ui", "nbaccel.launch.state"),
 }
 
 
@@ -179,7 +181,7 @@ def test_a_ranks_status_is_set_only_by_rank_state_move():
                         continue
                     own = isinstance(t.value, ast.Name) and t.value.id == "self"
                     if not own or module not in (
-                        "nbaccel.ui.launch_state",
+                        "nbaccel.launch.state",
                         "nbaccel.ui.config_panel",
                     ):
                         bad.append(f"{module}:{node.lineno}")

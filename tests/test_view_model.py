@@ -10,8 +10,8 @@ import pytest
 
 from nbaccel.core.local_traceback import Renderer, render_launch_error
 from nbaccel.launch.lines import LineSplitter
+from nbaccel.launch.state import LaunchInfo, LaunchState, RankState, RankStatus
 from nbaccel.ui import chart, panes, summary, table
-from nbaccel.ui.launch_state import LaunchInfo, LaunchState, RankState, RankStatus
 from tests.fresh_boot import fresh_boot_clock  # noqa: F401 - a fixture, used below
 
 # Each test runs at the real clock and as on a machine booted a second ago: the view model's

@@ -40,8 +40,8 @@ from nbaccel.core.config import LaunchConfig, third_party_env
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.launch import capacity
 from nbaccel.launch.failures import describe_exit, describe_raise
+from nbaccel.launch.state import DEFAULT_LINE_PREFIX
 from nbaccel.rank import containment
-from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX
 
 ENTRY_MODULE = "nbaccel.rank.script_entry"
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)

@@ -43,10 +43,10 @@ from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import DEFAULTS, LaunchPlan
 from nbaccel.launch.protocols import RankGroup
 from nbaccel.launch.relay import Relay, load_payload
+from nbaccel.launch.state import LaunchState, Outcome
+from nbaccel.launch.state import RankStatus as Status
 from nbaccel.ui import choose_view
 from nbaccel.ui.busy import BusyBeacon
-from nbaccel.ui.launch_state import LaunchState, Outcome
-from nbaccel.ui.launch_state import RankStatus as Status
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 

@@ -29,8 +29,8 @@ from nbaccel.launch import xla
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay
+from nbaccel.launch.state import LaunchState, Outcome, RankState
 from nbaccel.ui import View
-from nbaccel.ui.launch_state import LaunchState, Outcome, RankState
 
 
 class RankLifecycle:

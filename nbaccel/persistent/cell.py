@@ -30,8 +30,8 @@ from nbaccel.launch import loop, root_cause
 from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay
+from nbaccel.launch.state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.persistent.messages import Blocked, Command, Done, cell_filename
-from nbaccel.ui.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 
 COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
 INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT

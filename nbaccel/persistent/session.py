@@ -32,6 +32,7 @@ from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan
 from nbaccel.launch.relay import Relay, load_payload
+from nbaccel.launch.state import Outcome
 from nbaccel.persistent.cell import (
     CellError,
     CellTimeoutError,
@@ -46,7 +47,6 @@ from nbaccel.persistent.start import SETUP_CODE, CellTextView, accept_ranks, ses
 from nbaccel.persistent.status import StatusTable, rank_rows
 from nbaccel.ui import View, wants_widgets
 from nbaccel.ui.busy import BusyBeacon
-from nbaccel.ui.launch_state import Outcome
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nbaccel.ui.launch_state import LaunchState
+from nbaccel.launch.state import LaunchState
 
 
 class View(Protocol):

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nbaccel.launch.state import FAILED, LaunchState
 from nbaccel.ui import panes
 from nbaccel.ui.chart import metrics_charts
-from nbaccel.ui.launch_state import FAILED, LaunchState
 from nbaccel.ui.panes import PaneBuffer
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import summary_html, summary_text
