@@ -94,7 +94,7 @@ def _warm_up_in_kernel() -> bool:
         return False
     if "ipykernel" not in sys.modules:
         return False  # quick answer for scripts and ranks, without importing the kernel side
-    from nbaccel.ui import in_kernel
+    from nbaccel.core.kernel import in_kernel
 
     if not in_kernel():
         return False

@@ -26,7 +26,7 @@ ALLOWED = {
     # Kernel side (ray_cluster, ray_group) and a node's side (node, remote_entry: core, rank).
     "cluster": {"core", "rank", "launch", "ui"},
     # The fork server: the kernel's side (server, mirror) and the server's (guard, preload, ...).
-    "forkserver": {"core", "rank", "ui"},
+    "forkserver": {"core", "rank"},
     # Persistent ranks: the kernel's side (session, magics, ...) and the rank's (serve, messages).
     "persistent": {"core", "rank", "launch", "ui"},
 }

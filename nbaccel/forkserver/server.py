@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 from nbaccel.core import containment, mp_internals
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
+from nbaccel.core.kernel import in_kernel
 from nbaccel.forkserver import mirror
 from nbaccel.forkserver.protocol import ENV_SERVER_LOG
-from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
 # first (the server's own group, subreaper, kill its tree at exit), then its log (its output

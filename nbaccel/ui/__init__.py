@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from nbaccel.core.kernel import in_kernel
 from nbaccel.launch.state import LaunchState
 
 
@@ -55,22 +56,6 @@ def choose_view(progress: bool | str = True) -> View:
             return TextView()
         return Dashboard()
     return TextView()
-
-
-def in_kernel() -> bool:
-    """Whether this process is a Jupyter kernel: an ipykernel shell runs here (whichever
-    frontend, if any, is attached). Having imported ``ipykernel`` is not enough: widget code
-    imports it in scripts and test runs too.
-
-    >>> in_kernel()  # a doctest run is no kernel
-    False
-    """
-    import sys
-
-    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
-        return False
-    shell = sys.modules["IPython"].get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def frontend() -> str:
