@@ -114,7 +114,7 @@ def _says_hello() -> int:
 
 @pytest.mark.slow
 def test_a_toy_view_shows_a_real_launch() -> None:
-    from nbaccel.ui import View
+    from nbaccel.launch.protocols import View
     from tests.toy_view import ToyView
 
     view = ToyView()

@@ -16,8 +16,7 @@ from nbaccel.core.config import LaunchConfig
 from nbaccel.launch.launch import Launch
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import resolve_plan
-from nbaccel.launch.protocols import Cluster
-from nbaccel.ui import View
+from nbaccel.launch.protocols import Cluster, View
 
 
 def notebook_launcher(

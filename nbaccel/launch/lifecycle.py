@@ -28,9 +28,9 @@ from nbaccel.forkserver import server as forkserver
 from nbaccel.launch import xla
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.protocols import View
 from nbaccel.launch.relay import Relay
 from nbaccel.launch.state import LaunchState, Outcome, RankState
-from nbaccel.ui import View
 
 
 class RankLifecycle:

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 from nbaccel.core.config import LaunchConfig
 
 if TYPE_CHECKING:
-    from nbaccel.launch.protocols import Cluster
-    from nbaccel.ui import View
+    from nbaccel.launch.protocols import Cluster, View
 
 UNSET: Any = object()  # "not given": the config (or its default) decides
 

@@ -31,9 +31,9 @@ from nbaccel.launch.failures import describe_raise
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.launch.output_logs import LaunchLogs
+from nbaccel.launch.protocols import View
 from nbaccel.launch.state import LaunchState
 from nbaccel.launch.state import RankStatus as Status
-from nbaccel.ui import View
 
 STACK_WAIT = 2.0  # seconds to wait for stack dumps at a timeout
 TICK = 0.05  # s between looks at the pipes while a person types at a rank's prompt

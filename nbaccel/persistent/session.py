@@ -31,6 +31,7 @@ from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.protocols import View
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.state import Outcome
 from nbaccel.persistent.cell import (
@@ -45,7 +46,7 @@ from nbaccel.persistent.cell_view import CellView
 from nbaccel.persistent.messages import Command, Done
 from nbaccel.persistent.start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.persistent.status import StatusTable, rank_rows
-from nbaccel.ui import View, wants_widgets
+from nbaccel.ui import wants_widgets
 from nbaccel.ui.busy import BusyBeacon
 
 Method = TypeVar("Method", bound=Callable[..., Any])

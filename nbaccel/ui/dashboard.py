@@ -78,7 +78,7 @@ def _keep_spare(widgets: _Widgets) -> bool:
 
 
 class Dashboard:
-    """The widget view of a launch (see :class:`nbaccel.ui.View`).
+    """The widget view of a launch (see :class:`nbaccel.launch.protocols.View`).
 
     Example::
 
