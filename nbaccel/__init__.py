@@ -26,8 +26,8 @@ __version__ = "0.1.0"
 
 # Public names, imported when first used: name -> module that defines it.
 _LAZY = {
-    "notebook_launcher": "nbaccel.launch.launcher",
-    "debug_launcher": "nbaccel.launch.launcher",
+    "notebook_launcher": "nbaccel.launchers",
+    "debug_launcher": "nbaccel.launchers",
     "Launch": "nbaccel.launch.launch",
     "running": "nbaccel.launch.launch",
     "LaunchOptions": "nbaccel.launch.options",
@@ -113,7 +113,7 @@ def _warm_up_in_kernel() -> bool:
 # What the first launch cell would otherwise import before it can paint anything (~0.6 s on a
 # 2-core machine, mostly ipywidgets): imported in the background after ``import nbaccel``, so
 # the import cell stays quick and the launch's view shows at once.
-_KERNEL_SIDE = ("nbaccel.launch.launcher", "nbaccel.ui.text", "ipywidgets", "nbaccel.ui.dashboard")
+_KERNEL_SIDE = ("nbaccel.launchers", "nbaccel.ui.text", "ipywidgets", "nbaccel.ui.dashboard")
 
 
 def _import_kernel_side() -> None:

@@ -19,11 +19,13 @@ awaitable, whose ``result()`` raises a failed launch's error without the library
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import sys
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
@@ -41,12 +43,10 @@ from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import DEFAULTS, LaunchPlan
-from nbaccel.launch.protocols import RankGroup
+from nbaccel.launch.protocols import RankGroup, View
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.state import LaunchState, Outcome
 from nbaccel.launch.state import RankStatus as Status
-from nbaccel.ui import choose_view
-from nbaccel.ui.busy import BusyBeacon
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 
@@ -185,9 +185,21 @@ class Launch(concurrent.futures.Future[Any]):
     9.0
     """
 
-    def __init__(self, plan: LaunchPlan, options: LaunchOptions = DEFAULTS) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        options: LaunchOptions = DEFAULTS,
+        *,
+        make_view: Callable[[], View] | None = None,
+        busy: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        """``make_view`` makes each attempt's view when ``options.view`` is None; ``busy``
+        wraps a blocking run (the kernel shown busy): the launcher gives both, from ``ui``."""
         super().__init__()
+        if options.view is None and make_view is None:
+            raise ValueError("a Launch needs a view: options.view or make_view")
         self.plan, self.options = plan, options
+        self._make_view, self._busy = make_view, busy
         # The current attempt's ranks, from their start to their teardown (None before)
         self.lifecycle: RankLifecycle | None = None
         self._stopping = threading.Event()
@@ -217,7 +229,7 @@ class Launch(concurrent.futures.Future[Any]):
         """Run the launch to its end here; rank 0's value (every rank's with ``return_all``)."""
         __tracebackhide__ = True
         try:
-            with BusyBeacon():  # in a kernel's main thread: the cell is busy to the end
+            with self._busy():  # in a kernel's main thread: the cell is busy to the end
                 payloads = self._attempts()
             if self.options.return_all:
                 return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
@@ -297,8 +309,11 @@ class Launch(concurrent.futures.Future[Any]):
 
     def _lifecycle(self) -> RankLifecycle:
         """An attempt's ranks, with a fresh view."""
-        o = self.options
-        return RankLifecycle(self.plan, o.view if o.view is not None else choose_view(o.progress))
+        view = self.options.view
+        if view is None:
+            assert self._make_view is not None  # checked in __init__
+            view = self._make_view()
+        return RankLifecycle(self.plan, view)
 
     def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""

@@ -1,6 +1,9 @@
-"""``notebook_launcher``: run a function on N ranks from a notebook cell (or a script).
+"""``notebook_launcher``: run a function on N ranks from a notebook cell (or a script), at
+Accelerate's module path (``accelerate.launchers``).
 
-Two steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and serializes the job
+The one place a launch meets its views: it picks the view (``nbaccel.ui.choose_view``) and the
+kernel's busy signal and hands them to the launch, which knows views only by their protocol
+(``launch.protocols.View``), so ``launch/`` stays below ``ui/``. Two steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and serializes the job
 before anything starts (bad input never leaves a half-started launch), then
 :class:`~nbaccel.launch.launch.Launch` runs it: here (``Launch(plan).run()``, rank 0's value)
 or, with ``block=False``, in the background (the ``Launch`` is returned at once).
@@ -17,6 +20,8 @@ from nbaccel.launch.launch import Launch
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import resolve_plan
 from nbaccel.launch.protocols import Cluster, View
+from nbaccel.ui import choose_view
+from nbaccel.ui.busy import BusyBeacon
 
 
 def notebook_launcher(
@@ -154,7 +159,8 @@ def launch(
         if os.environ.get("NBACCEL_DEBUG") or not _raised_by_nbaccel(exc):
             raise  # a library's error inside the checks (a bug, or its own): its frames matter
         _raise_short(exc)
-    handle = Launch(plan, options)
+    views = lambda: choose_view(options.progress)  # noqa: E731 - a fresh view per attempt
+    handle = Launch(plan, options, make_view=views, busy=BusyBeacon)
     return handle.run() if options.block else handle.start()
 
 
