@@ -21,7 +21,7 @@ import multiprocessing.spawn
 from collections.abc import Mapping
 from typing import Any
 
-from nbaccel.core.processes import RANK_PROCESS_PREFIX
+from nbaccel.core.process_table import RANK_PROCESS_PREFIX
 from nbaccel.forkserver.guard import in_fork_server
 
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")

@@ -17,7 +17,7 @@ from typing import Any
 from nbaccel.core import (
     events,
     pickling,
-    processes,
+    process_table,
     proctitle,
     rendezvous,
     shared_tensors,
@@ -92,7 +92,9 @@ def _stop_leftovers(rank: int) -> None:
     left = containment.descendants()
     if left:
         events.emit(
-            events.Leftovers(rank=rank, processes=[(p.pid, processes.describe(p)) for p in left])
+            events.Leftovers(
+                rank=rank, processes=[(p.pid, process_table.describe(p)) for p in left]
+            )
         )
         containment.stop_descendants(found=left)
 
