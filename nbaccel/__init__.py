@@ -47,7 +47,7 @@ _LAZY = {
     # Accelerate's top-level names (more under nbaccel.utils, its accelerate.utils).
     "PartialState": "nbaccel.training.partial_state",
     "AcceleratorState": "nbaccel.training.partial_state",
-    "DistributedType": "nbaccel.training.process",
+    "DistributedType": "nbaccel.training.distributed",
     "DataLoaderConfiguration": "nbaccel.training.options",
     "ProjectConfiguration": "nbaccel.training.options",
     "DistributedDataParallelKwargs": "nbaccel.training.options",

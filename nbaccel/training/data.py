@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from nbaccel.rank import reporting
 from nbaccel.training import iterable, ops, xla
 from nbaccel.training.accumulation import GradientState
-from nbaccel.training.process import ProcessState
+from nbaccel.training.distributed import ProcessState
 
 if TYPE_CHECKING:
     from nbaccel.training.partial_state import PartialState

@@ -64,7 +64,7 @@ _LAZY = {
     **dict.fromkeys(["merge_fsdp_weights", "save_fsdp_model"], _T + "fsdp_files"),
     **dict.fromkeys(["DeepSpeedPlugin"], _T + "deepspeed_plugin"),
     **dict.fromkeys(["DummyOptim", "DummyScheduler"], _T + "deepspeed_dummies"),
-    **dict.fromkeys(["DistributedType"], _T + "process"),
+    **dict.fromkeys(["DistributedType"], _T + "distributed"),
     **dict.fromkeys(["PartialState", "AcceleratorState"], _T + "partial_state"),
     **dict.fromkeys(["GeneralTracker", "filter_trackers"], _T + "trackers"),
     **dict.fromkeys(["concatenate", "wait_for_everyone"], _T + "ops"),

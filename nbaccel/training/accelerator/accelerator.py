@@ -40,10 +40,10 @@ from nbaccel.training.accelerator.processes import ProcessControl
 from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
+from nbaccel.training.distributed import DistributedType, detect_state
 from nbaccel.training.options import LoggerType
 from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
-from nbaccel.training.process import DistributedType, detect_state
 from nbaccel.training.registry import PreparedObjects, Registry
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
 from nbaccel.training.strategies.prepared import PREPARED_MARK
