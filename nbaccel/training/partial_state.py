@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from nbaccel.core import xla_runtime
 from nbaccel.training import ops
-from nbaccel.training.accelerator.processes import ProcessControl
+from nbaccel.training.accelerator.collectives import ProcessControl
 from nbaccel.training.accumulation import GradientState
 from nbaccel.training.distributed import DistributedType, ProcessState, detect_state
 

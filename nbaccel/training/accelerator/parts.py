@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbaccel.training.accelerator.processes import ProcessFacts
+from nbaccel.training.accelerator.collectives import ProcessFacts
 from nbaccel.training.accumulation import GradientState
 
 if TYPE_CHECKING:
