@@ -36,7 +36,7 @@ _LAZY = {
             "ProjectConfiguration",
             "RNGType",
         ],
-        _T + "options",
+        _T + "kwargs_handlers",
     ),
     **dict.fromkeys(
         [

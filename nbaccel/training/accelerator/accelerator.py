@@ -41,7 +41,7 @@ from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
 from nbaccel.training.distributed import DistributedType, detect_state
-from nbaccel.training.options import LoggerType
+from nbaccel.training.kwargs_handlers import LoggerType
 from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
 from nbaccel.training.registry import PreparedObjects, Registry
@@ -52,7 +52,7 @@ from nbaccel.training.trackers import GeneralTracker, Tracking
 if TYPE_CHECKING:
     from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
     from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
-    from nbaccel.training.options import (
+    from nbaccel.training.kwargs_handlers import (
         DataLoaderConfiguration,
         GradientAccumulationPlugin,
         KwargsHandler,

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from nbaccel.core.config import normalize_mixed_precision
-from nbaccel.training.options import (
+from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,

@@ -21,7 +21,7 @@ from nbaccel.training.accelerator.collectives import ProcessFacts
 from nbaccel.training.accumulation import GradientState
 
 if TYPE_CHECKING:
-    from nbaccel.training.options import (
+    from nbaccel.training.kwargs_handlers import (
         AutocastKwargs,
         DataLoaderConfiguration,
         ProfileKwargs,
