@@ -35,8 +35,8 @@ from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECI
 from nbaccel.rank import settings_report
 from nbaccel.training import data, data_compat
 from nbaccel.training.accelerator import pickling as accelerator_pickling
+from nbaccel.training.accelerator.arguments import resolve_options
 from nbaccel.training.accelerator.collectives import ProcessControl
-from nbaccel.training.accelerator.options import resolve_options
 from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
