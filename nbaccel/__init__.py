@@ -43,7 +43,7 @@ _LAZY = {
     "Accelerator": "nbaccel.training.accelerator",
     "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",
     "DeepSpeedPlugin": "nbaccel.training.deepspeed_plugin",
-    "set_seed": "nbaccel.training.random",
+    "set_seed": "nbaccel.training.rng",
     # Accelerate's top-level names (more under nbaccel.utils, its accelerate.utils).
     "PartialState": "nbaccel.training.partial_state",
     "AcceleratorState": "nbaccel.training.partial_state",
@@ -58,7 +58,7 @@ _LAZY = {
     "DDPCommunicationHookType": "nbaccel.training.kwargs_handlers",
     "find_executable_batch_size": "nbaccel.training.memory",
     "skip_first_batches": "nbaccel.training.data",
-    "synchronize_rng_states": "nbaccel.training.random",
+    "synchronize_rng_states": "nbaccel.training.rng",
     "load_checkpoint_in_model": "nbaccel.training.model_files",
     "is_rich_available": "nbaccel.training.availability",
     "utils": "nbaccel.utils",

@@ -30,7 +30,7 @@ from nbaccel.training.distributed import ProcessState
 
 if TYPE_CHECKING:
     from nbaccel.training.partial_state import PartialState
-from nbaccel.training.random import synchronize_rng_states
+from nbaccel.training.rng import synchronize_rng_states
 from nbaccel.training.sharding import ShardedBatchSampler
 
 __all__ = [

@@ -57,7 +57,7 @@ _LAZY = {
         ["find_executable_batch_size", "release_memory", "should_reduce_batch_size"],
         _T + "memory",
     ),
-    **dict.fromkeys(["set_seed", "synchronize_rng_states"], _T + "random"),
+    **dict.fromkeys(["set_seed", "synchronize_rng_states"], _T + "rng"),
     **dict.fromkeys(["load_checkpoint_in_model"], _T + "model_files"),
     **dict.fromkeys(["skip_first_batches"], _T + "data"),
     **dict.fromkeys(["FullyShardedDataParallelPlugin"], _T + "fsdp_plugin"),

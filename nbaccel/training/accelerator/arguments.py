@@ -26,7 +26,7 @@ from nbaccel.training.kwargs_handlers import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from nbaccel.training.random import check_rng_types
+from nbaccel.training.rng import check_rng_types
 
 _HANDLERS = {
     DistributedDataParallelKwargs: "ddp_handler",
