@@ -37,7 +37,7 @@ from nbaccel.core.errors import (
     RankFailedError,
 )
 from nbaccel.core.local_traceback import with_cell_names
-from nbaccel.launch import loop, root_cause
+from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
@@ -64,7 +64,7 @@ class RunJob:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
-        self.entry_file = entry_file  # where a cluster's rank processes start (root_cause)
+        self.entry_file = entry_file  # where a cluster's rank processes start (launch.failures)
 
     def finished(self) -> bool:
         return all(rank.done for rank in self.state.ranks.values())
@@ -90,7 +90,7 @@ class RunJob:
             if code == 255 and self._server_gone(r):
                 # multiprocessing's stand-in status: the server that reports it is gone
                 what = "ended when its fork server died (its own exit status is unknown)"
-            crash = root_cause.without_plumbing(rank.diag.strip(), self.entry_file)
+            crash = failures.without_plumbing(rank.diag.strip(), self.entry_file)
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
 
@@ -111,7 +111,7 @@ class RunJob:
             return
         alive = self.group.alive()
         stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
-            k: with_cell_names(root_cause.without_plumbing(v, self.entry_file))
+            k: with_cell_names(failures.without_plumbing(v, self.entry_file))
             for k, v in self.relay.stacks_now(alive).items()
         }
         self.state.outcome = Outcome.TIMED_OUT

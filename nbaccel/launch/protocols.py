@@ -121,7 +121,7 @@ class Cluster(Protocol):
     @property
     def rank_entry_file(self) -> str:
         """The end of the path of the file a rank's process starts in on the cluster: its frame
-        and older ones are left out of a rank's crash report (``root_cause``)."""
+        and older ones are left out of a rank's crash report (``launch.failures``)."""
         ...
 
     @property

@@ -25,7 +25,7 @@ from nbaccel.core import events, local_traceback
 from nbaccel.core.containment import LeftoverProcessesWarning, leftover_warning
 from nbaccel.core.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
-from nbaccel.launch import post_mortem, root_cause
+from nbaccel.launch import failures, post_mortem
 from nbaccel.launch.debugging import Debugging
 from nbaccel.launch.failures import describe_raise
 from nbaccel.launch.group import RankGroup, RankProcess
@@ -231,22 +231,22 @@ class Relay:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""
         state = self.state.ranks[rank]
         state.move(Status.FAILED)
-        state.error_line = root_cause.cut(line)  # the error keeps the full text
+        state.error_line = failures.cut(line)  # the error keeps the full text
         self.failures.append((rank, error))
 
     def first_failure(self) -> RankFailedError:
         """The failure to raise: the root cause first (a real failure before the connection
         errors it caused in other ranks; a rank that had already left, where only those
         remain), the others named after it."""
-        (first_rank, first), *rest = root_cause.order(self.failures)
+        (first_rank, first), *rest = failures.order(self.failures)
         first.other_failures = tuple(
-            f"rank {k} {root_cause.cut(e.summary)}" for k, e in rest if k != first_rank
+            f"rank {k} {failures.cut(e.summary)}" for k, e in rest if k != first_rank
         )
-        first.cause = root_cause.cause(first_rank, first, self.ended)
+        first.cause = failures.cause(first_rank, first, self.ended)
         first.args = (first._message(),)
         if first.cause:
             state = self.state.ranks[first_rank]
-            state.error_line = root_cause.cut(
+            state.error_line = failures.cut(
                 f"{first.cause.split(' while ')[0]}: {state.error_line}"
             )
         return first
