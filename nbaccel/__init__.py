@@ -28,8 +28,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "notebook_launcher": "nbaccel.launchers",
     "debug_launcher": "nbaccel.launchers",
-    "Launch": "nbaccel.launch.launch",
-    "running": "nbaccel.launch.launch",
+    "Launch": "nbaccel.launch.handle",
+    "running": "nbaccel.launch.handle",
     "LaunchOptions": "nbaccel.launch.options",
     "RayCluster": "nbaccel.cluster.ray_cluster",
     "Ranks": "nbaccel.persistent.session",

@@ -5,7 +5,7 @@ The one place a launch meets its views: it picks the view (``nbaccel.ui.choose_v
 kernel's busy signal and hands them to the launch, which knows views only by their protocol
 (``launch.protocols.View``), so ``launch/`` stays below ``ui/``. Two steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and serializes the job
 before anything starts (bad input never leaves a half-started launch), then
-:class:`~nbaccel.launch.launch.Launch` runs it: here (``Launch(plan).run()``, rank 0's value)
+:class:`~nbaccel.launch.handle.Launch` runs it: here (``Launch(plan).run()``, rank 0's value)
 or, with ``block=False``, in the background (the ``Launch`` is returned at once).
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbaccel.core.config import LaunchConfig
-from nbaccel.launch.launch import Launch
+from nbaccel.launch.handle import Launch
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import resolve_plan
 from nbaccel.launch.protocols import Cluster, View
@@ -72,7 +72,7 @@ def notebook_launcher(
     where each rank was. ``progress``: True (dashboard where widgets render, text elsewhere),
     "text", or False. ``preload`` names modules the fork server imports once so ranks start
     with them. ``env`` adds (or, with None, removes) the ranks' environment variables.
-    ``block=False`` returns a :class:`~nbaccel.launch.launch.Launch` at once and trains in the
+    ``block=False`` returns a :class:`~nbaccel.launch.handle.Launch` at once and trains in the
     background while other cells run: ``.result()`` waits for rank 0's value (or raises the
     launch's error), ``.stop()``, ``.done()``, ``.status``, ``.metrics()``, ``await launch``
     (see docs/background_launches.md). ``cluster=nbaccel.RayCluster(...)`` runs the

@@ -151,7 +151,7 @@ class RayCluster:
         return rendezvous.route_address(rank0_node) or "0.0.0.0"
 
     def make_group(self, specs: list[RankSpec]) -> RankGroup:
-        """The rank group of one launch attempt (``launch.launch.Launch`` starts it)."""
+        """The rank group of one launch attempt (``launch.handle.Launch`` starts it)."""
         from nbaccel.cluster.ray_group import RayRankGroup
 
         return RayRankGroup(specs, self)

@@ -1,5 +1,5 @@
 """How a plan's ranks start and how they are torn down, in one place: for each attempt of a
-launch (``launch.launch``) and for a ``%ranks`` session (``persistent.session``) alike.
+launch (``launch.handle``) and for a ``%ranks`` session (``persistent.session``) alike.
 
 The start: the view first (a cell must not stay blank while the fork server still imports
 torch; :meth:`RankLifecycle.show`), the fork server (refusing a restart that would stop other

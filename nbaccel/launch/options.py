@@ -2,7 +2,7 @@
 
 Every entry point reads them from here: ``notebook_launcher`` (whose keywords are these fields,
 checked field for field by a test), :func:`~nbaccel.launch.plan.resolve_plan` (which checks them
-and reads each by name), :class:`~nbaccel.launch.launch.Launch` (view, progress, return_all),
+and reads each by name), :class:`~nbaccel.launch.handle.Launch` (view, progress, return_all),
 ``%ranks start`` (:class:`~nbaccel.persistent.session.Ranks`) and, for the settings a config file
 also holds, :class:`~nbaccel.core.config.LaunchConfig`, whose Accelerate spellings
 (``main_process_port`` for ``use_port``...) are listed in :data:`CONFIG_FILE_NAMES`.

@@ -5,7 +5,7 @@ readable. Output is cut into whole lines per rank and stream before it reaches t
 lines are never split or interleaved (a line past 64 KiB is cut short with a note; every byte
 goes to the rank's log file, ``launch/output_logs``). Events update the launch state and record
 results and failures; what to do about them (stop the others, time out) is the job's
-(``launch.launch``, ``persistent.cell``), not the relay's.
+(``launch.handle``, ``persistent.cell``), not the relay's.
 """
 
 from __future__ import annotations
