@@ -75,6 +75,14 @@ def test_the_three_rank_groups_and_the_ray_cluster_are_what_the_protocols_declar
     ray: protocols.RankGroup = RayRankGroup([], RayCluster())
     cluster: protocols.Cluster = RayCluster()
     assert all(isinstance(g, protocols.RankGroup) for g in (local, threads, ray))
+    assert all(isinstance(g, protocols.RankGroupBase) for g in (local, threads, ray))
+    assert (local.uses_fork_server, threads.uses_fork_server, ray.uses_fork_server) == (
+        True,
+        True,
+        False,
+    )
+    assert not group.RankGroup([], "spawn").uses_fork_server
+    assert cluster.same_machine is False
     assert isinstance(cluster, protocols.Cluster) and cluster.start_method == "ray"
     assert not isinstance(object(), protocols.RankGroup)
 
@@ -105,6 +113,28 @@ def test_a_toy_cluster_backend_runs_real_ranks() -> None:
     )
     assert got == [(0, 2), (1, 2)]
     assert len(cluster.groups) == 1  # the launch asked the cluster for its group
+
+
+@pytest.mark.slow
+def test_a_backend_whose_rank_breaks_the_protocol_fails_its_start_saying_what() -> None:
+    from nbaccel.core.errors import LaunchError
+    from tests.toy_cluster import ToyCluster, ToyGroup
+
+    class BlockingGroup(ToyGroup):  # forgets what RankHandle asks of its output ends
+        def _start_ranks(self) -> None:
+            super()._start_ranks()
+            os.set_blocking(self.ranks[0].stdout.fileno(), True)
+
+    class BlockingCluster(ToyCluster):
+        def make_group(self, specs):
+            self.groups.append(BlockingGroup(specs))
+            return self.groups[-1]
+
+    cluster = BlockingCluster()
+    with pytest.raises(LaunchError, match="BlockingGroup's rank 0: its stdout end blocks"):
+        nbaccel.notebook_launcher(_rank_and_world, num_processes=1, cluster=cluster)
+    (started,) = cluster.groups
+    assert started.ranks and not started.alive()  # the start stopped and reaped it
 
 
 def _says_hello() -> int:

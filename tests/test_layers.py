@@ -7,7 +7,6 @@ fails here before it can load a kernel-side module inside a rank.
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
@@ -218,18 +217,48 @@ def test_a_ranks_status_is_set_only_by_rank_state_move():
     assert not bad, f"a rank's status set outside RankState.move: {bad}"
 
 
-# ... and launch.protocols declares a cluster's make_group (it builds none)
-MAKERS_OF_GROUPS = ("nbaccel.launch.xla", "nbaccel.cluster.ray_cluster", "nbaccel.launch.protocols")
+def _group_classes() -> set[str]:
+    """The names of nbaccel's rank group classes: ``RankGroupBase``'s subclasses, by their bases
+    as written (a subclass of a subclass too)."""
+    bases: dict[str, set[str]] = {}
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                names = {
+                    b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases
+                }
+                bases.setdefault(node.name, set()).update(names)
+    groups = {"RankGroupBase"}
+    while True:
+        more = {name for name, of in bases.items() if of & groups} - groups
+        if not more:
+            return groups - {"RankGroupBase"}
+        groups |= more
 
 
 def test_ranks_have_one_start_and_one_teardown():
     """A launch's attempts and ``%ranks`` sessions start and tear down their ranks through
-    ``launch.lifecycle.RankLifecycle``: nothing else in nbaccel builds a rank group (XLA's
-    ``make_group`` picks the kind, a cluster's (``cluster.ray_cluster``) makes its own)."""
-    owners = set()
+    ``launch.lifecycle.RankLifecycle``: it is the only caller of a ``make_group`` (XLA's picks
+    the kind, a cluster's makes its own), and a rank group is built only inside a
+    ``make_group``. Calls are read from the code, so a module may name either in its text."""
+    groups = _group_classes()
+    assert {"RankGroup", "ThreadHostGroup", "RayRankGroup"} <= groups, groups
+    callers, builders = set(), set()
     for module, path in _modules().items():
-        text = path.read_text(encoding="utf-8")
-        builds = "make_group(" in text or re.search(r"\bRankGroup\(", text)
-        if builds and module not in MAKERS_OF_GROUPS and module != "nbaccel.launch.group":
-            owners.add(module)
-    assert owners == {"nbaccel.launch.lifecycle"}, owners
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        inside_make_group = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "make_group":
+                inside_make_group |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = (
+                node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            )
+            if name == "make_group":
+                callers.add(module)
+            elif name in groups and id(node) not in inside_make_group:
+                builders.add(f"{module}:{node.lineno}")
+    assert callers == {"nbaccel.launch.lifecycle"}, callers
+    assert not builders, f"rank groups built outside a make_group: {builders}"

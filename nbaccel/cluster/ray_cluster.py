@@ -92,6 +92,12 @@ class RayCluster:
     def uses_gpus(self) -> bool:
         return self.gpus_per_rank > 0
 
+    @property
+    def same_machine(self) -> bool:
+        """False: the nodes are other machines (``launch.protocols.Cluster``), even where Ray
+        placed every rank here; arguments never travel through this machine's memory."""
+        return False
+
     def check_available(self) -> None:
         """Raise an ``ImportError`` that says what to install when Ray is missing (without
         importing it: that takes seconds, and the launch does it when it connects)."""

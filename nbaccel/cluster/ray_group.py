@@ -26,7 +26,7 @@ from nbaccel.cluster import wire
 from nbaccel.cluster.node import RankHost
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
-from nbaccel.launch.group import StopSequence
+from nbaccel.launch.protocols import RankGroupBase
 
 CONNECT_TIMEOUT = 60.0  # s for every rank's connections to arrive once its actor started it
 KILL_WAIT = 10.0  # s a SIGKILLed remote rank gets to report before its actor is killed
@@ -108,7 +108,7 @@ class RemoteRank:
         self.events.close()
 
 
-class RayRankGroup(StopSequence):
+class RayRankGroup(RankGroupBase):
     """The ranks of one launch on a Ray cluster (see the module docstring).
 
     ``cluster`` is the :class:`~nbaccel.cluster.ray_cluster.RayCluster` that places them.
@@ -129,22 +129,14 @@ class RayRankGroup(StopSequence):
 
     # -- starting ---------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Place the ranks, start one per actor and take their connections; on any failure or
-        Ctrl-C, stop what started and re-raise."""
-        try:
-            self._start()
-        except KeyboardInterrupt:
-            self.stop(grace=0)
-            raise KeyboardInterrupt(
-                "launch interrupted while placing and starting ranks on the Ray cluster; "
-                "what had started was stopped"
-            ) from None
-        except BaseException:
-            self.stop(grace=0)
-            raise
+    def _interrupted_message(self, exc: KeyboardInterrupt) -> str:
+        return (
+            "launch interrupted while placing and starting ranks on the Ray cluster; "
+            "what had started was stopped"
+        )
 
-    def _start(self) -> None:
+    def _start_ranks(self) -> None:
+        """Place the ranks, start one per actor and take their connections."""
         import ray
 
         ray_module = self.cluster.connect()

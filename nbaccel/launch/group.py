@@ -26,9 +26,9 @@ from nbaccel.core import containment, mp_internals, process_table
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver import server as forkserver
+from nbaccel.launch.protocols import RankGroupBase
 from nbaccel.rank.entry import run_rank
 
-STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
 # Seconds a SIGKILLed rank's exit status may take to come from its fork server; a server that
 # takes longer has stopped answering (hung, or stopped) and would hold the kernel forever.
 KILLED_STATUS_WAIT = 5.0
@@ -71,73 +71,7 @@ class RankProcess:
             conn.close()
 
 
-class StopSequence:
-    """The one stop sequence of a group of ranks, local or on a cluster: SIGTERM to every live
-    rank and its children, SIGKILL after a grace period. :meth:`begin_stop`/:meth:`poll_stop`
-    never block (the loop's ``RunJob`` calls them); :meth:`stop` is the blocking form for
-    cleanup paths. A group supplies ``alive()`` (its ranks still running, each with a
-    ``sentinel``), ``_signal_trees(sig)`` and ``reap()``, and ``_kill_wait``: how long its
-    SIGKILLed ranks get before they are reaped anyway (after ``_statuses_late()``: what to do
-    about ranks whose end has still not been reported)."""
-
-    _kill_at: float | None = None  # set by begin_stop
-    _kill_wait: float | None = None  # None: as long as it takes
-
-    def alive(self) -> list[Any]:
-        raise NotImplementedError
-
-    def _signal_trees(self, sig: int) -> None:
-        raise NotImplementedError
-
-    def wait(self, timeout: float | None) -> bool:
-        """Wait until every rank has exited or ``timeout`` passes; report whether all exited."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            alive = self.alive()
-            if not alive:
-                return True
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            multiprocessing.connection.wait([r.sentinel for r in alive], remaining)
-
-    def reap(self) -> None:
-        raise NotImplementedError
-
-    def _statuses_late(self) -> None:
-        """``_kill_wait`` s after SIGKILL some ranks' ends are still unreported."""
-
-    def notice_unreported(self) -> None:
-        """Each loop turn: ranks that ended by themselves but were never reported."""
-
-    def begin_stop(self, grace: float) -> None:
-        """Ask every live rank and its children to stop (SIGTERM) now, once; returns at once."""
-        if self._kill_at is not None:
-            return
-        self._kill_at = time.monotonic() + grace
-        self._signal_trees(signal.SIGTERM)
-
-    def poll_stop(self) -> None:
-        """SIGKILL whatever is still alive once the grace period of :meth:`begin_stop` is over."""
-        if self._kill_at is not None and time.monotonic() >= self._kill_at:
-            self._signal_trees(signal.SIGKILL)
-            wait = self._kill_wait
-            if wait is not None and time.monotonic() >= self._kill_at + wait and self.alive():
-                self._statuses_late()
-
-    def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop every rank: SIGTERM, SIGKILL after ``grace`` seconds, then reap them all."""
-        self.begin_stop(grace)
-        assert self._kill_at is not None
-        if not self.wait(max(0.0, self._kill_at - time.monotonic())):
-            self._kill_at = time.monotonic()
-            self.poll_stop()
-            if not self.wait(self._kill_wait):
-                self._statuses_late()
-        self.reap()
-
-
-class RankGroup(StopSequence):
+class RankGroup(RankGroupBase):
     """The ranks of one launch: start them, signal them, and reap them and their children.
 
     Example::
@@ -173,42 +107,31 @@ class RankGroup(StopSequence):
         # words, about every 0.2 s, and None once the ranks are starting (a launch's view).
         self.waiting: Callable[[str | None], None] = lambda what: None
 
-    def start(self) -> None:
-        """Start every rank; on any failure or Ctrl-C, stop those started and re-raise.
+    @property
+    def uses_fork_server(self) -> bool:  # type: ignore[override]
+        return self.start_method == "forkserver"
+
+    def _start_ranks(self) -> None:
+        """Start every rank (:meth:`RankGroupBase.start` stops them on any failure or Ctrl-C).
 
         With the fork server still importing (the first launch after ``import nbaccel``, or
-        the kernel's modules the function uses), this first waits for it, interruptibly. Each rank start then runs with Ctrl-C held back, so
-        an interrupt never leaves a rank whose pid the kernel does not know.
+        the kernel's modules the function uses), this first waits for it, interruptibly. Each
+        rank start then runs with Ctrl-C held back, so an interrupt never leaves a rank whose
+        pid the kernel does not know.
         """
         ctx = multiprocessing.get_context(self.start_method)
-        try:
-            with (
-                self.server.starts,
-                self.server.ranks_starting(self.specs, self.start_method, self.waiting),
-            ):
-                for spec in self.specs:
-                    self._start_answered(ctx, spec)
-        except KeyboardInterrupt as exc:
-            self.stop(grace=0)
-            started = len(self.ranks)
-            why = str(exc).partition("launch interrupted: ")[2]  # e.g. a server that hung
-            raise KeyboardInterrupt(
-                (
-                    f"launch interrupted while starting ranks; the {started} started were stopped"
-                    if started
-                    else "launch interrupted before any rank started"
-                )
-                + (f"; {why}" if why else "")
-            ) from None
-        except BaseException:
-            self.stop(grace=0)
-            raise
+        with (
+            self.server.starts,
+            self.server.ranks_starting(self.specs, self.start_method, self.waiting),
+        ):
+            for spec in self.specs:
+                self._start_answered(ctx, spec)
 
     def _start_answered(self, ctx: Any, spec: RankSpec) -> None:
         """Start one rank with Ctrl-C held back; a fork server that does not answer is set
         aside (``ForkServer.start_answered``), not left to trap the kernel."""
         with containment.sigint_deferred() as interrupted:
-            if self.start_method != "forkserver":
+            if not self.uses_fork_server:
                 self.ranks.append(self._start_one(ctx, spec))
                 return
             start = functools.partial(self._start_one, ctx, spec)
@@ -275,7 +198,7 @@ class RankGroup(StopSequence):
             except ProcessLookupError:
                 pass
 
-    # -- the stop sequence is StopSequence's; what a signal reaches is the group's
+    # -- the stop sequence is RankGroupBase's; what a signal reaches is the group's
 
     def _signal_trees(self, sig: int) -> None:
         alive = self.alive()
@@ -324,7 +247,7 @@ class RankGroup(StopSequence):
         the ranks live every process they caused is below them (each is a subreaper), so every
         ``DESCENDANT_LOOK`` s note those daemons by pid and start time; :meth:`reap` kills the
         ones still running. One started and orphaned between two looks can still escape."""
-        if self.start_method == "forkserver" or now < self._next_descendant_look:
+        if self.uses_fork_server or now < self._next_descendant_look:
             return
         self._next_descendant_look = now + DESCENDANT_LOOK
         for r in self.alive():

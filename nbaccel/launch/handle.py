@@ -39,11 +39,10 @@ from nbaccel.core.errors import (
 from nbaccel.core.local_traceback import with_cell_names
 from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit
-from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import DEFAULTS, LaunchPlan
-from nbaccel.launch.protocols import RankGroup, View
+from nbaccel.launch.protocols import STOP_GRACE, RankGroup, RankHandle, View
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.state import LaunchState, Outcome
 from nbaccel.launch.state import RankStatus as Status
@@ -69,10 +68,10 @@ class RunJob:
     def finished(self) -> bool:
         return all(rank.done for rank in self.state.ranks.values())
 
-    def on_reply(self, r: RankProcess) -> None:  # a launch has no command connections
+    def on_reply(self, r: RankHandle) -> None:  # a launch has no command connections
         pass
 
-    def on_exit(self, r: RankProcess, code: int | None) -> None:
+    def on_exit(self, r: RankHandle, code: int | None) -> None:
         rank = self.state.ranks[r.rank]
         rank.exitcode = code
         if r.rank not in self.relay.payloads or rank.ended_at is None:
@@ -94,11 +93,12 @@ class RunJob:
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
 
-    def _server_gone(self, r: RankProcess) -> bool:
+    def _server_gone(self, r: RankHandle) -> bool:
         """Whether the fork server ``r`` was forked from (current or retired) has died."""
-        if self.group.start_method != "forkserver":
+        if not self.group.uses_fork_server:
             return False
-        return mp_internals.server_gone(self.group.server.live.server_of(r.pid))
+        server = getattr(self.group, "server")  # noqa: B009 - a fork server's group has one
+        return mp_internals.server_gone(server.live.server_of(r.pid))
 
     def check(self) -> None:
         self.group.notice_unreported()  # ranks ended under a fork server that hung
@@ -120,7 +120,7 @@ class RunJob:
     def on_interrupt(self) -> None:
         raise KeyboardInterrupt
 
-    def running(self) -> list[RankProcess]:
+    def running(self) -> list[RankHandle]:
         return self.group.alive()
 
 

@@ -76,7 +76,7 @@ class RankLifecycle:
         (printed from the launch's thread, they split a ``print`` of the cell mid-line)."""
         if self._shown:
             return
-        if self.plan.info.start_method == "forkserver":
+        if self.group.uses_fork_server:
             warming = forkserver.SERVER.warming()
             if warming is not None:  # known before the first frame: it says "waiting", and
                 self._waiting(warming)  # for what, not "running" while no rank runs yet
@@ -101,7 +101,7 @@ class RankLifecycle:
         state, view = self.state, self.view
         self.show()
         try:
-            if self.plan.info.start_method == "forkserver":
+            if self.group.uses_fork_server:
                 refuse_restart_under(self.plan.preload)
                 forkserver.SERVER.ensure(self.plan.preload)
             self.group.start()  # stops what it started on any failure

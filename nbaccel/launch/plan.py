@@ -99,7 +99,8 @@ def resolve_plan(
         cpu = cpu or not cluster.uses_gpus
         method = cluster.start_method  # the cluster starts the ranks: no fork server here
     gpus = () if cpu else hardware.detect().gpus
-    if cluster is None:  # this machine's capacity; a cluster's is its placement's to find
+    here = cluster is None or cluster.same_machine  # the ranks run on this machine
+    if here:  # this machine's capacity; a cluster's is its placement's to find
         capacity.check_process_count(nprocs, nprocs * num_nodes, on_cpu=not gpus)
     if cpu:
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
@@ -109,7 +110,7 @@ def resolve_plan(
     port = _resolve_port(options.use_port, master_addr, node_rank, num_nodes)
     function_bytes, arg_bytes, kwarg_bytes, sealed = payload.serialize(function, args, kwargs)
     transfer: shared_tensors.Transfer | None = sealed
-    if cluster is not None:
+    if not here:
         payload.refuse_shared_memory(sealed)
         transfer = None  # results come back pickled too, not through this machine's /dev/shm
 

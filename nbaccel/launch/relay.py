@@ -28,10 +28,9 @@ from nbaccel.core.events import STACK_DUMP_SIGNAL
 from nbaccel.launch import failures, post_mortem
 from nbaccel.launch.debugging import Debugging
 from nbaccel.launch.failures import describe_raise
-from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.launch.output_logs import LaunchLogs
-from nbaccel.launch.protocols import View
+from nbaccel.launch.protocols import RankGroup, RankHandle, View
 from nbaccel.launch.state import LaunchState
 from nbaccel.launch.state import RankStatus as Status
 
@@ -66,7 +65,7 @@ class Relay:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def read(self, r: RankProcess, kind: str) -> bool:
+    def read(self, r: RankHandle, kind: str) -> bool:
         """Read what is there now on one pipe; report whether anything (or EOF) was read."""
         if kind == "events":
             return self._read_event(r)
@@ -90,7 +89,7 @@ class Relay:
                 self.view.partial(r.rank, kind, self._splitter(r.rank, kind).pending)
         return True
 
-    def _read_event(self, r: RankProcess) -> bool:
+    def _read_event(self, r: RankHandle) -> bool:
         try:
             if not r.events.poll(0):
                 return False
@@ -120,7 +119,7 @@ class Relay:
                 if hasattr(self.view, "partial"):  # shown now: not again as a live line
                     self.view.partial(rank, stream, "")
 
-    def watch(self, fd: int, data: tuple[RankProcess, str]) -> None:
+    def watch(self, fd: int, data: tuple[RankHandle, str]) -> None:
         """Also wake the loop for ``fd`` (e.g. a session's command connection)."""
         self.selector.register(fd, selectors.EVENT_READ, data)
 
@@ -128,7 +127,7 @@ class Relay:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(fd)
 
-    def drain(self, r: RankProcess) -> None:
+    def drain(self, r: RankHandle) -> None:
         """Read everything a rank that has exited left in its pipes."""
         for kind in ("events", "stdout", "stderr", "diag"):
             while self.read(r, kind):
@@ -194,7 +193,7 @@ class Relay:
                 pass
         self.debug.on_paused(event, lambda fd: self.watch(fd, (r, "debug")))
 
-    def answer_debugger(self, r: RankProcess) -> None:
+    def answer_debugger(self, r: RankHandle) -> None:
         """The loop saw ``r``'s debugging connection readable (see ``Debugging.answer``)."""
         self.debug.answer(r.rank, self.unwatch, self.reading_meanwhile)
 
@@ -264,7 +263,7 @@ class Relay:
                 stacklevel=local_traceback.user_stacklevel(),
             )
 
-    def stacks_now(self, alive: list[RankProcess]) -> dict[int, str]:
+    def stacks_now(self, alive: list[RankHandle]) -> dict[int, str]:
         """Ask ``alive`` for their Python stacks (``STACK_DUMP_SIGNAL``) and return each rank's
         dump (what its diagnostic pipe got meanwhile): the timeout's report, for a launch and a
         ``%ranks`` cell alike."""
@@ -273,7 +272,7 @@ class Relay:
         self.collect_stacks(alive)
         return {r.rank: self.state.ranks[r.rank].diag[before[r.rank] :] for r in alive}
 
-    def collect_stacks(self, alive: list[RankProcess]) -> None:
+    def collect_stacks(self, alive: list[RankHandle]) -> None:
         """Read the ranks' stack dumps: until each has written one and gone quiet, or 2 s.
 
         The dump is written by a C signal handler in one burst; a short quiet period after the

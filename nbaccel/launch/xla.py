@@ -138,18 +138,14 @@ class ThreadHostGroup(RankGroup):
     every rank has the host's pid, so stopping one stops them all.
     """
 
-    def start(self) -> None:
+    def _start_ranks(self) -> None:
         ctx = __import__("multiprocessing").get_context(self.start_method)
-        try:
-            with (
-                self.server.starts,
-                self.server.ranks_starting(self.specs, self.start_method),
-                containment.sigint_deferred(),
-            ):
-                self._start_host(ctx)
-        except BaseException:
-            self.stop(grace=0)
-            raise
+        with (
+            self.server.starts,
+            self.server.ranks_starting(self.specs, self.start_method),
+            containment.sigint_deferred(),
+        ):
+            self._start_host(ctx)
 
     def _start_host(self, ctx: Any) -> None:
         pipes = [[ctx.Pipe(duplex=False) for _ in range(4)] for _ in self.specs]

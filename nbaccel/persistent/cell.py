@@ -28,7 +28,7 @@ from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError
 from nbaccel.core.local_traceback import name_cell, with_cell_names
 from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit, describe_raise
-from nbaccel.launch.group import RankProcess
+from nbaccel.launch.protocols import RankHandle
 from nbaccel.launch.relay import Relay
 from nbaccel.launch.state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.persistent.messages import Blocked, Command, Done, cell_filename
@@ -154,10 +154,10 @@ class CellJob:
     def finished(self) -> bool:
         return not self.pending
 
-    def on_reply(self, r: RankProcess) -> None:
+    def on_reply(self, r: RankHandle) -> None:
         self._on_reply(r.rank)
 
-    def on_exit(self, r: RankProcess, code: int | None) -> None:
+    def on_exit(self, r: RankHandle, code: int | None) -> None:
         crash = crash_stack(self.relay.state.ranks[r.rank].diag)
         raise RanksBrokenError(
             f"rank {r.rank} {describe_exit(code)}", self._stack_text() + crash, self._failures()
@@ -187,7 +187,7 @@ class CellJob:
         elif time.monotonic() - self.interrupted_at > DOUBLE_PRESS:
             raise RanksBrokenError("a second interrupt stopped them") from None
 
-    def running(self) -> list[RankProcess]:
+    def running(self) -> list[RankHandle]:
         """The ranks still running this cell."""
         return [self.processes[r] for r in self.pending if self.processes[r].exitcode() is None]
 

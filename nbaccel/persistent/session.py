@@ -27,11 +27,10 @@ from nbaccel.core import pickling
 from nbaccel.core.containment import sigint_deferred
 from nbaccel.core.errors import RankFailedError
 from nbaccel.core.local_traceback import is_nbaccel_file
-from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan
-from nbaccel.launch.protocols import View
+from nbaccel.launch.protocols import STOP_GRACE, View
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.state import Outcome
 from nbaccel.persistent.cell import (
