@@ -21,8 +21,17 @@ def toy_strategy():
     strategy_registry.unregister("toy")
 
 
+@pytest.fixture
+def toy_variant():
+    module = importlib.import_module("tests.toy_strategy_variant")
+    strategy_registry.register(module.ENTRY)
+    yield module
+    strategy_registry.unregister(module.ENTRY.name)
+
+
 def test_an_unregistered_strategy_is_refused_listing_the_registered_ones():
-    with pytest.raises(ConfigError, match="strategy='toy'.*'ddp', 'fsdp', 'deepspeed'"):
+    listed = ", ".join(repr(n) for n in strategy_registry.names())
+    with pytest.raises(ConfigError, match=f"strategy='toy'.*{listed}"):
         LaunchConfig(strategy="toy")
 
 
@@ -46,7 +55,7 @@ def test_a_registered_strategy_is_a_choice_everywhere(toy_strategy):
     panel = ConfigPanel(LaunchConfig(strategy="toy"), cpu, "/nonexistent/cfg.yaml", torchao=False)
     assert ("TOY", "toy") in list(panel.strategy.options) and panel.strategy.value == "toy"
     text = panel_text(LaunchConfig(strategy="toy"), cpu, precision_choices(cpu, False), "x.yaml")
-    assert "strategy: toy (one of ddp, fsdp, deepspeed, toy)" in text
+    assert f"strategy: toy (one of {', '.join(strategy_registry.names())})" in text
 
 
 def _toy_rank_strategy():
@@ -62,6 +71,37 @@ def test_a_registered_strategy_runs_in_real_ranks(toy_strategy):
         _toy_rank_strategy, num_processes=2, config=LaunchConfig(strategy="toy"), progress=False
     )
     assert (strategy, env) == ("ToyStrategy", "toy")
+
+
+def test_a_strategy_variant_is_its_strategy_with_options(toy_variant):
+    from nbaccel.cli.main import build_parser
+    from nbaccel.training.distributed import detect_state
+    from nbaccel.training.strategies import select_strategy
+    from nbaccel.training.strategies.ddp import DDPStrategy
+
+    name = toy_variant.ENTRY.name
+    assert name in strategy_registry.names() and LaunchConfig(strategy=name).strategy == name
+    assert build_parser().parse_args(["launch", "--strategy", name, "x.py"]).strategy == name
+    strategy = select_strategy(name, detect_state(cpu=True))
+    assert type(strategy) is DDPStrategy and strategy.defaults.bucket_cap_mb == 1
+
+
+def _bucket_bytes() -> tuple[int, str]:
+    import torch
+
+    import tests.toy_strategy_variant  # noqa: F401 - registers it in the rank (as preload= would)
+
+    model = nbaccel.Accelerator().prepare(torch.nn.Linear(4, 4))
+    return model.bucket_bytes_cap, os.environ["NBACCEL_STRATEGY"]
+
+
+@pytest.mark.slow
+def test_a_strategy_variant_runs_in_real_ranks_with_its_options(toy_variant):
+    name = toy_variant.ENTRY.name
+    got = nbaccel.notebook_launcher(
+        _bucket_bytes, num_processes=2, config=LaunchConfig(strategy=name), progress=False
+    )
+    assert got == (1 << 20, name)  # DDP's own bucket size is 25 MiB
 
 
 def test_the_three_rank_groups_and_the_ray_cluster_are_what_the_protocols_declare() -> None:

@@ -138,7 +138,7 @@ class LaunchConfig:
 
     num_processes: int | None = None
     mixed_precision: str = "no"
-    strategy: str = "ddp"
+    strategy: str = strategy_registry.DEFAULT
     gradient_accumulation_steps: int = 1
     num_machines: int = 1
     machine_rank: int = 0

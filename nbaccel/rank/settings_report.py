@@ -55,8 +55,8 @@ def accelerate_settings() -> tuple[str, str, str, int] | None:
         return (
             str(shared["_mixed_precision"]),
             # Accelerate's DistributedType value of a registered strategy; every other one
-            # (MULTI_CPU, MULTI_GPU, NO, ...) runs as DDP or one process: the launch's "ddp"
-            strategy_registry.by_accelerate_type(str(kind)) or "ddp",
+            # (MULTI_CPU, MULTI_GPU, NO, ...) runs as DDP or one process: the default strategy
+            strategy_registry.by_accelerate_type(str(kind)) or strategy_registry.DEFAULT,
             str(shared.get("device")),
             int(accumulation.get("num_steps", 1)),
         )

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from nbaccel.core import xla_runtime
+from nbaccel.core import strategy_registry, xla_runtime
 from nbaccel.training import ops
 from nbaccel.training.accelerator.collectives import ProcessControl
 from nbaccel.training.accumulation import GradientState
@@ -199,7 +199,7 @@ class AcceleratorState(PartialState):
     """
 
     mixed_precision = property(lambda self: _SHARED.get("mixed_precision", "no"))
-    strategy = property(lambda self: _SHARED.get("strategy", "ddp"))
+    strategy = property(lambda self: _SHARED.get("strategy", strategy_registry.DEFAULT))
     fsdp_plugin = property(lambda self: _SHARED.get("fsdp_plugin"))
     deepspeed_plugin = property(lambda self: _SHARED.get("deepspeed_plugin"))
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from nbaccel.core import strategy_registry
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import settings_report
 from nbaccel.training import data, data_compat
@@ -163,11 +164,14 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             dynamo_backend=dynamo_plugin if dynamo_plugin is not None else dynamo_backend,
             log_with=log_with,
         )
-        strategy = strategy or os.environ.get(ENV_STRATEGY) or "ddp"
-        if fsdp_plugin is not None:
-            strategy = "fsdp"
-        if deepspeed_plugin is not None:
-            strategy = "deepspeed"
+        strategy = strategy or os.environ.get(ENV_STRATEGY) or strategy_registry.DEFAULT
+        # A plugin passed picks the strategy that takes it (DeepSpeed's last, as Accelerate)
+        for argument, plugin in (
+            ("fsdp_plugin", fsdp_plugin),
+            ("deepspeed_plugin", deepspeed_plugin),
+        ):
+            if plugin is not None:
+                strategy = strategy_registry.taking(argument, preferred=strategy)
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
         self._strategy.ddp_handler = opts.ddp_handler

@@ -42,20 +42,12 @@ def select_strategy(
 
         strategy = select_strategy("fsdp", detect_state())
     """
-    if state.device.type == "xla":  # data parallel through XLA collectives (strategies.xla)
-        if name not in ("ddp", "xla"):
-            raise ValueError(
-                f"strategy={name!r} does not run on XLA devices; nbaccel trains on XLA with "
-                "replicated data parallelism (leave strategy unset, or 'ddp')."
-            )
-        from nbaccel.training.strategies.xla import XLAStrategy
-
-        return XLAStrategy(state)
-    entry = strategy_registry.get(name)  # a ValueError listing the choices if unknown
+    # A ValueError listing the choices for an unknown name, or naming those that run here
+    entry = strategy_registry.get(name).for_device(state.device.type)
     module, _, class_name = entry.implementation.partition(":")
     strategy_class = getattr(importlib.import_module(module), class_name)
+    if entry.plugin is None:
+        return strategy_class(state, **entry.options)
     # None: the strategy reads its settings from NBACCEL_FSDP_* / NBACCEL_DEEPSPEED_*
-    plugins = {"fsdp": fsdp_plugin, "deepspeed": deepspeed_plugin}
-    if entry.plugin is not None:
-        return strategy_class(state, plugins[entry.plugin])
-    return strategy_class(state)
+    given = {"fsdp_plugin": fsdp_plugin, "deepspeed_plugin": deepspeed_plugin}
+    return strategy_class(state, given[entry.plugin], **entry.options)

@@ -20,14 +20,26 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nbaccel.training.distributed import ProcessState
 from nbaccel.training.precision import Precision
 from nbaccel.training.strategies.base import Strategy
 
 
 class DDPStrategy(Strategy):
-    """Replicate the model; DDP all-reduces gradients during backward."""
+    """Replicate the model; DDP all-reduces gradients during backward.
+
+    ``options`` are ``DistributedDataParallelKwargs``'s fields (``bucket_cap_mb``,
+    ``comm_hook``, ...), a registered variant's defaults (``strategy_registry``'s
+    ``variant``); a handler the Accelerator is given overrides each one it changes.
+    """
 
     name = "ddp"
+
+    def __init__(self, state: ProcessState, **options: Any) -> None:
+        from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
+
+        super().__init__(state)
+        self.defaults = DistributedDataParallelKwargs(**options)  # a TypeError names a bad one
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         module = module.to(self.state.device)
@@ -35,10 +47,12 @@ class DDPStrategy(Strategy):
             return module
         device_ids = [self.state.device.index] if self.state.device.type == "cuda" else None
         handler = self.ddp_handler
-        kwargs = handler.ddp_kwargs() if handler is not None else {}
+        kwargs = {**self.defaults.ddp_kwargs(), **(handler.ddp_kwargs() if handler else {})}
         wrapped = DistributedDataParallel(module, device_ids=device_ids, **kwargs)
-        if handler is not None:
-            register_comm_hook(wrapped, handler)
+        hooked = (
+            handler is not None and getattr(handler.comm_hook, "value", handler.comm_hook) != "no"
+        )
+        register_comm_hook(wrapped, handler if hooked else self.defaults)
         return wrapped
 
     def unwrap(self, module: torch.nn.Module) -> torch.nn.Module:
