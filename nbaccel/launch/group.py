@@ -18,7 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -295,3 +295,10 @@ def _dead(pid: int) -> bool:
         return not process_table.alive(psutil.Process(pid))
     except psutil.Error:
         return True
+
+
+if TYPE_CHECKING:  # the type checker holds the local group to the protocol (XLA's: xla.py)
+    from nbaccel.launch import protocols
+
+    def _conforms(local: RankGroup) -> protocols.RankGroup:
+        return local

@@ -1,6 +1,6 @@
 """The one event loop of the kernel's side: follow live ranks until a job says it is done.
 
-A *job* is what the ranks are doing for the kernel: a launch's function (``launch.handle``'s
+A *job* is what the ranks are doing for the kernel: a launch's function (``launch.attempts``'s
 ``RunJob``) or one ``%ranks`` cell (``persistent.cell``'s ``CellJob``). :func:`follow` waits on
 every rank's pipes, exit sentinels and the job's own connections at once, hands what arrives to
 the relay (output, events) or the job (replies, exits), and applies the policies every job
@@ -33,7 +33,7 @@ import time
 from typing import Protocol
 
 from nbaccel.core.events import STACK_DUMP_SIGNAL
-from nbaccel.launch.group import RankProcess
+from nbaccel.launch.protocols import RankHandle
 from nbaccel.launch.relay import Relay
 
 TICK = 0.05  # seconds between turns while nothing arrives
@@ -48,9 +48,9 @@ class Job(Protocol):
 
     def finished(self) -> bool: ...
 
-    def on_reply(self, r: RankProcess) -> None: ...
+    def on_reply(self, r: RankHandle) -> None: ...
 
-    def on_exit(self, r: RankProcess, code: int | None) -> None: ...
+    def on_exit(self, r: RankHandle, code: int | None) -> None: ...
 
     def check(self) -> None: ...
 
@@ -58,13 +58,13 @@ class Job(Protocol):
 
     def on_interrupt(self) -> None: ...
 
-    def running(self) -> list[RankProcess]: ...
+    def running(self) -> list[RankHandle]: ...
 
 
 def follow(relay: Relay, job: Job) -> None:
     """Run the loop until ``job.finished()``; the job's own errors propagate."""
     deadline = None if job.timeout is None else time.monotonic() + job.timeout
-    exiting: dict[int, tuple[RankProcess, float]] = {}  # sentinel fired, status not yet there
+    exiting: dict[int, tuple[RankHandle, float]] = {}  # sentinel fired, status not yet there
     ended: set[int] = set()  # ranks whose exit went to the job
     turn_started = next_look = time.monotonic()
     while not job.finished():

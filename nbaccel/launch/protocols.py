@@ -39,14 +39,11 @@ import os
 import signal
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.launch.state import LaunchState
-
-if TYPE_CHECKING:
-    from nbaccel.launch import group, xla
 
 STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
 
@@ -361,11 +358,3 @@ class Cluster(Protocol):
         group. Only the launch's ``RankLifecycle`` calls it (a test of the package rules
         checks)."""
         ...
-
-
-if TYPE_CHECKING:  # the type checker holds the local groups to the protocol (Ray's: its make_group)
-
-    def _local_groups_conform(
-        local: group.RankGroup, threads: xla.ThreadHostGroup
-    ) -> tuple[RankGroup, RankGroup]:
-        return local, threads

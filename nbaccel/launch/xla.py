@@ -17,7 +17,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbaccel.core import containment, xla_runtime
 from nbaccel.core.events import RankSpec
@@ -192,3 +192,10 @@ class _ProcessPerDeviceGroup(RankGroup):
 
     def _start_one(self, ctx: Any, spec: RankSpec) -> RankProcess:
         return super()._start_one(ctx, rank_xla.with_runtime_started(spec))
+
+
+if TYPE_CHECKING:  # the type checker holds the thread-host group to the protocol
+    from nbaccel.launch import protocols
+
+    def _conforms(threads: ThreadHostGroup) -> protocols.RankGroup:
+        return threads

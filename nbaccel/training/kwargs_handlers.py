@@ -85,8 +85,6 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def register_comm_hook(self, model: Any) -> None:
         """Register ``comm_hook`` (wrapped in ``comm_wrapper``) on a DDP ``model``, as
         ``prepare`` does (for a model you wrapped in DistributedDataParallel yourself)."""
-        from nbaccel.training.strategies.ddp import register_comm_hook
-
         register_comm_hook(model, self)
 
 
@@ -278,3 +276,27 @@ class RNGType(str, enum.Enum):
     TORCH = "torch"
     CUDA = "cuda"
     GENERATOR = "generator"
+
+
+def register_comm_hook(model: Any, handler: Any) -> None:
+    """DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...) as Accelerate applies it:
+    compress gradients to fp16/bf16, or PowerSGD, optionally wrapped in an fp16/bf16 cast."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hook_name = getattr(handler.comm_hook, "value", handler.comm_hook)
+    if hook_name == "no":
+        return
+    hooks = {
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+        "power_sgd": powerSGD_hook.powerSGD_hook,
+        "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
+    }
+    hook = hooks[hook_name]
+    state = None
+    if hook_name in ("power_sgd", "batched_power_sgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=None, **handler.comm_state_option)
+        wrapper = getattr(handler.comm_wrapper, "value", handler.comm_wrapper)
+        if wrapper in ("fp16", "bf16"):
+            hook = getattr(default_hooks, f"{wrapper}_compress_wrapper")(hook)
+    model.register_comm_hook(state=state, hook=hook)

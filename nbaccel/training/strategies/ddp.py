@@ -21,6 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nbaccel.training.distributed import ProcessState
+from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs, register_comm_hook
 from nbaccel.training.precision import Precision
 from nbaccel.training.strategies.base import Strategy
 
@@ -36,8 +37,6 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def __init__(self, state: ProcessState, **options: Any) -> None:
-        from nbaccel.training.kwargs_handlers import DistributedDataParallelKwargs
-
         super().__init__(state)
         self.defaults = DistributedDataParallelKwargs(**options)  # a TypeError names a bad one
 
@@ -77,30 +76,6 @@ class DDPStrategy(Strategy):
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
         self.unwrap(module).load_state_dict(state)
-
-
-def register_comm_hook(model: DistributedDataParallel, handler: Any) -> None:
-    """DistributedDataParallelKwargs(comm_hook=..., comm_wrapper=...) as Accelerate applies it:
-    compress gradients to fp16/bf16, or PowerSGD, optionally wrapped in an fp16/bf16 cast."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    hook_name = getattr(handler.comm_hook, "value", handler.comm_hook)
-    if hook_name == "no":
-        return
-    hooks = {
-        "fp16": default_hooks.fp16_compress_hook,
-        "bf16": default_hooks.bf16_compress_hook,
-        "power_sgd": powerSGD_hook.powerSGD_hook,
-        "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
-    }
-    hook = hooks[hook_name]
-    state = None
-    if hook_name in ("power_sgd", "batched_power_sgd"):
-        state = powerSGD_hook.PowerSGDState(process_group=None, **handler.comm_state_option)
-        wrapper = getattr(handler.comm_wrapper, "value", handler.comm_wrapper)
-        if wrapper in ("fp16", "bf16"):
-            hook = getattr(default_hooks, f"{wrapper}_compress_wrapper")(hook)
-    model.register_comm_hook(state=state, hook=hook)
 
 
 def extract_model_from_parallel(
