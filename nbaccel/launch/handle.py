@@ -4,10 +4,11 @@ Shaped like torch elastic's ``PContext`` (one object starts, polls and stops the
 a ``Launch`` holds the plan, its options and the current attempt's
 :class:`~nbaccel.launch.lifecycle.RankLifecycle` (``lifecycle``; through it ``group``, the rank
 group, which holds the fork server its ranks start from, and ``relay``, which reads them into
-the view), and follows the ranks with the event loop (``launch.loop``) and a :class:`RunJob`,
-whose policies are a launch's: the first failure stops the other ranks; the timeout collects every
-live rank's stack and raises; ``.stop()`` stops them all. Whatever happens, every rank is reaped
-and what the ranks left running is swept (``core.containment``) before the attempt returns.
+the view); its attempts (``launch.attempts``) follow the ranks with the event loop
+(``launch.loop``) and a ``RunJob``, whose policies are a launch's: the first failure stops the
+other ranks; the timeout collects every live rank's stack and raises; ``.stop()`` stops them
+all. Whatever happens, every rank is reaped and what the ranks left running is swept
+(``core.containment``) before the attempt returns.
 
 Blocking, ``Launch(plan).run()`` is ``notebook_launcher``. In the background
 (``notebook_launcher(..., block=False)``) the same run happens in a thread, in the launching
@@ -21,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
-import sys
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -29,99 +29,17 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
-from nbaccel.core import mp_internals, shared_tensors
-from nbaccel.core.containment import sigint_deferred
-from nbaccel.core.errors import (
-    LaunchStoppedError,
-    LaunchTimeoutError,
-    RankFailedError,
-)
-from nbaccel.core.local_traceback import with_cell_names
-from nbaccel.launch import failures, loop
-from nbaccel.launch.failures import describe_exit
+from nbaccel.core import shared_tensors
+from nbaccel.launch.attempts import Attempts
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import DEFAULTS, LaunchPlan
-from nbaccel.launch.protocols import STOP_GRACE, RankGroup, RankHandle, View
+from nbaccel.launch.protocols import RankGroup, View
 from nbaccel.launch.relay import Relay, load_payload
 from nbaccel.launch.state import LaunchState, Outcome
 from nbaccel.launch.state import RankStatus as Status
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
-
-
-class RunJob:
-    """A launch's function on every rank, for :func:`nbaccel.launch.loop.follow`."""
-
-    def __init__(
-        self,
-        relay: Relay,
-        timeout: float | None,
-        stopping: threading.Event,
-        entry_file: str | None = None,
-    ) -> None:
-        self.relay, self.group, self.state = relay, relay.group, relay.state
-        self.timeout = timeout
-        self.stopping = stopping  # set by Launch.stop (another thread)
-        self.entry_file = entry_file  # where a cluster's rank processes start (launch.failures)
-
-    def finished(self) -> bool:
-        return all(rank.done for rank in self.state.ranks.values())
-
-    def on_reply(self, r: RankHandle) -> None:  # a launch has no command connections
-        pass
-
-    def on_exit(self, r: RankHandle, code: int | None) -> None:
-        rank = self.state.ranks[r.rank]
-        rank.exitcode = code
-        if r.rank not in self.relay.payloads or rank.ended_at is None:
-            rank.ended_at = time.monotonic()  # (one that reported ended when it returned)
-        if rank.status == Status.FAILED:
-            error = next(e for k, e in self.relay.failures if k == r.rank)
-            error.exitcode = code
-        elif r.rank in self.relay.payloads and (code == 0 or code == 255 and self._server_gone(r)):
-            # Its result arrived; a dead server (255) cannot say how it exited.
-            rank.move(Status.FINISHED)
-        elif self.group.was_stopped(r.rank, code):
-            rank.move(Status.STOPPED)
-        else:
-            what = describe_exit(code) if code != 0 else "exited without reporting a result"
-            if code == 255 and self._server_gone(r):
-                # multiprocessing's stand-in status: the server that reports it is gone
-                what = "ended when its fork server died (its own exit status is unknown)"
-            crash = failures.without_plumbing(rank.diag.strip(), self.entry_file)
-            error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
-            self.relay.record_failure(r.rank, error, what)
-
-    def _server_gone(self, r: RankHandle) -> bool:
-        """Whether the fork server ``r`` was forked from (current or retired) has died."""
-        if not self.group.uses_fork_server:
-            return False
-        server = getattr(self.group, "server")  # noqa: B009 - a fork server's group has one
-        return mp_internals.server_gone(server.live.server_of(r.pid))
-
-    def check(self) -> None:
-        self.group.notice_unreported()  # ranks ended under a fork server that hung
-        if self.relay.failures or self.stopping.is_set():
-            self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
-        self.group.poll_stop()
-
-    def on_timeout(self) -> None:
-        if self.relay.failures:  # the failure ends the launch; it is what to report
-            return
-        alive = self.group.alive()
-        stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
-            k: with_cell_names(failures.without_plumbing(v, self.entry_file))
-            for k, v in self.relay.stacks_now(alive).items()
-        }
-        self.state.outcome = Outcome.TIMED_OUT
-        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
-
-    def on_interrupt(self) -> None:
-        raise KeyboardInterrupt
-
-    def running(self) -> list[RankHandle]:
-        return self.group.alive()
 
 
 # Background launches that have not ended, oldest first: rerunning the cell that held one
@@ -196,16 +114,17 @@ class Launch(concurrent.futures.Future[Any]):
         """``make_view`` makes each attempt's view when ``options.view`` is None; ``busy``
         wraps a blocking run (the kernel shown busy): the launcher gives both, from ``ui``."""
         super().__init__()
-        if options.view is None and make_view is None:
-            raise ValueError("a Launch needs a view: options.view or make_view")
         self.plan, self.options = plan, options
-        self._make_view, self._busy = make_view, busy
-        # The current attempt's ranks, from their start to their teardown (None before)
-        self.lifecycle: RankLifecycle | None = None
+        self._busy = busy
         self._stopping = threading.Event()
+        self._attempts = Attempts(plan, options, make_view, self._stopping)
         self._thread: threading.Thread | None = None
-        self._first: RankLifecycle | None = None  # a background launch's, shown by start()
         self._error_traceback: TracebackType | None = None
+
+    @property
+    def lifecycle(self) -> RankLifecycle | None:
+        """The current attempt's ranks, from their start to their teardown (None before)."""
+        return self._attempts.lifecycle
 
     @property
     def state(self) -> LaunchState | None:
@@ -230,7 +149,7 @@ class Launch(concurrent.futures.Future[Any]):
         __tracebackhide__ = True
         try:
             with self._busy():  # in a kernel's main thread: the cell is busy to the end
-                payloads = self._attempts()
+                payloads = self._attempts.run()
             if self.options.return_all:
                 return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
             return load_payload(0, payloads.get(0)) if self.plan.info.node_rank == 0 else None
@@ -247,8 +166,8 @@ class Launch(concurrent.futures.Future[Any]):
         """
         if self._thread is not None:
             raise RuntimeError("this launch was started already; make a new one to run again")
-        self._first = self._lifecycle()
-        self._first.show()  # here, before this cell's next line: see RankLifecycle.show
+        first = self._attempts.first = self._attempts.new_lifecycle()
+        first.show()  # here, before this cell's next line: see RankLifecycle.show
         context = contextvars.copy_context()
         self._thread = threading.Thread(
             target=context.run, args=(self._background,), name="nbaccel-launch", daemon=True
@@ -261,8 +180,8 @@ class Launch(concurrent.futures.Future[Any]):
 
     def _background(self) -> None:
         if not self.set_running_or_notify_cancel():  # cancel() came first
-            if self._first is not None:
-                self._first.never_started()
+            if self._attempts.first is not None:
+                self._attempts.first.never_started()
             return
         try:
             value = self.run()
@@ -271,76 +190,6 @@ class Launch(concurrent.futures.Future[Any]):
             self.set_exception(exc)
         else:
             self.set_result(value)
-
-    def _attempts(self) -> dict[int, bytes | None]:
-        """An attempt, and again (all ranks, each attempt a fresh view) after a rank fails, up
-        to ``plan.max_restarts`` times; the last failure is raised."""
-        __tracebackhide__ = True
-        for restart in range(1, self.plan.max_restarts + 1):
-            try:
-                return self._attempt()
-            except RankFailedError as exc:
-                if self._stopping.is_set():
-                    raise
-                what = exc.exc_type.rsplit(".", 1)[-1] if exc.exc_type else "it exited"
-                print(
-                    f"nbaccel: rank {exc.rank} failed ({what}); restarting all "
-                    f"{len(self.plan.specs)} ranks (restart {restart} of {self.plan.max_restarts})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return self._attempt()
-
-    def _attempt(self) -> dict[int, bytes | None]:
-        """Start the planned ranks and follow them to the end; return their payloads."""
-        __tracebackhide__ = True
-        life, self._first = self._first or self._lifecycle(), None
-        self.lifecycle = life
-        try:
-            relay = life.start()
-        except KeyboardInterrupt as exc:  # its message says what was stopped
-            raise exc.with_traceback(None)  # noqa: B904 - nbaccel's frames are noise here
-        try:
-            return self._follow(life, relay)
-        except KeyboardInterrupt:
-            # Every rank is stopped and reaped by now; the loop's frames would only be noise.
-            n = len(self.plan.specs)
-            raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
-
-    def _lifecycle(self) -> RankLifecycle:
-        """An attempt's ranks, with a fresh view."""
-        view = self.options.view
-        if view is None:
-            assert self._make_view is not None  # checked in __init__
-            view = self._make_view()
-        return RankLifecycle(self.plan, view)
-
-    def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
-        """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
-        state, failing = relay.state, False
-        try:
-            cluster = self.plan.cluster
-            entry_file = cluster.rank_entry_file if cluster is not None else None
-            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping, entry_file))
-            state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
-        except BaseException:
-            state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True
-            raise
-        finally:
-            # Teardown is not cut short by Ctrl-C; one then is raised after it, unless the
-            # launch is already raising (that error is the one to report).
-            with sigint_deferred(reraise=not failing):
-                life.end(grace=STOP_GRACE if failing else 0.0)
-                failure = relay.first_failure() if relay.failures else None  # before the summary
-                if failure is None and self._stopping.is_set():
-                    state.outcome = Outcome.INTERRUPTED
-                relay.warn_leftovers()
-                relay.view.finish()  # after the cleanup: a view's error is a bug to see
-        if failure is not None and not self._stopping.is_set():
-            raise failure
-        if self._stopping.is_set():
-            raise LaunchStoppedError(len(self.plan.specs), state.elapsed(time.monotonic()))
-        return relay.payloads
 
     # -- the handle of a background launch --------------------------------------------------
 
