@@ -126,6 +126,9 @@ def test_a_background_launch_trains_while_other_cells_run_then_returns_its_value
     assert result.results[-1]["text/plain"] == "(42, 'finished')"
     lines = kernel.messages_of(launch_cell).stdout  # in the launching cell's output
     assert "[rank0] step 0\n" in lines and "[rank1] step 59\n" in lines
+    by_rank = kernel.execute("launch.results(), launch.output(1).splitlines()[-1]")
+    assert by_rank.error is None, by_rank.error_text
+    assert by_rank.results[-1]["text/plain"] == "({0: 42}, 'step 59')"
     assert kernel.leftovers() == []
 
 

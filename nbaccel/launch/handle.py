@@ -84,7 +84,8 @@ class Launch(concurrent.futures.Future[Any]):
     In the background the launch is its handle, a :class:`concurrent.futures.Future` of rank
     0's value: ``done()``, ``wait()``, ``result()`` (rank 0's value, or the error a blocking
     launch raises), ``add_done_callback()``, ``concurrent.futures.wait([...])``, ``stop()``,
-    ``await launch``, and the live ``status``/``ranks``/``metrics()``.
+    ``await launch``, and the live ``status``/``ranks``/``metrics()``; by rank (ipyparallel's
+    ``AsyncResult`` shape), ``results()`` and each rank's ``output(rank)``.
 
     >>> import nbaccel
     >>> def train(steps):
@@ -101,6 +102,8 @@ class Launch(concurrent.futures.Future[Any]):
     (True, 'finished')
     >>> launch.metrics()[-1]["step"]  # rank 0's last nbaccel.log(...) values, as floats
     9.0
+    >>> launch.results(), launch.output(1)  # by rank: what returned, what it printed
+    ({0: 'done'}, '')
     """
 
     def __init__(
@@ -276,6 +279,32 @@ class Launch(concurrent.futures.Future[Any]):
         if state is None:
             return {s.rank: str(Status.STARTING) for s in self.plan.specs}
         return {rank: str(s.status) for rank, s in sorted(state.ranks.items())}
+
+    def results(self, timeout: float | None = None) -> dict[int, Any]:
+        """The ranks' return values by rank once the launch has ended (ipyparallel's results
+        by engine): rank 0's, and every rank's with ``return_all=True``; waits and raises as
+        :meth:`result` does."""
+        __tracebackhide__ = True
+        value = self.result(timeout)
+        if self.options.return_all:
+            return {spec.rank: v for spec, v in zip(self.plan.specs, value, strict=True)}
+        return {0: value} if self.plan.info.node_rank == 0 else {}
+
+    def output(self, rank: int, stream: str = "stdout") -> str:
+        """Everything ``rank`` wrote to ``stream`` ("stdout" or "stderr") in the current
+        attempt so far, from its log file (every byte, however much the view showed); "" before
+        it wrote any."""
+        if stream not in ("stdout", "stderr"):
+            raise ValueError(f'stream must be "stdout" or "stderr", got {stream!r}')
+        state = self.state
+        path = state.log_path(rank, stream) if state is not None else None
+        if path is None:
+            return ""
+        try:
+            with open(path, encoding="utf-8", errors="replace") as file:
+                return file.read()
+        except FileNotFoundError:
+            return ""
 
     def metrics(self, rank: int = 0) -> list[dict[str, float]]:
         """What ``rank`` logged so far with ``nbaccel.log``/``Accelerator.log``, as samples:
