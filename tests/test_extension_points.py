@@ -156,6 +156,16 @@ def test_a_toy_cluster_backend_runs_real_ranks() -> None:
 
 
 @pytest.mark.slow
+def test_the_shipped_subprocess_group_runs_real_ranks() -> None:
+    from nbaccel.launch.subprocesses import Subprocesses
+
+    got = nbaccel.notebook_launcher(
+        _rank_and_world, num_processes=2, cluster=Subprocesses(), return_all=True, progress=False
+    )
+    assert got == [(0, 2), (1, 2)]
+
+
+@pytest.mark.slow
 def test_a_backend_whose_rank_breaks_the_protocol_fails_its_start_saying_what() -> None:
     from nbaccel.core.errors import LaunchError
     from tests.toy_cluster import ToyCluster, ToyGroup
