@@ -7,6 +7,7 @@ fails here before it can load a kernel-side module inside a rank.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -57,9 +58,16 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed, once per session: every test here walks the same sources."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def _imports(path: Path) -> frozenset[str]:
     """Every nbaccel module ``path`` imports, resolved to the most specific existing module."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = _tree(path)
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -68,7 +76,7 @@ def _imports(path: Path) -> set[str]:
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
                 found.add(candidate if _exists(candidate) else node.module)
-    return {name for name in found if name == "nbaccel" or name.startswith("nbaccel.")}
+    return frozenset(n for n in found if n == "nbaccel" or n.startswith("nbaccel."))
 
 
 def _exists(module: str) -> bool:
@@ -173,7 +181,7 @@ def test_every_package_says_its_job_and_what_it_may_import():
 
 
 def test_every_module_says_its_job():
-    missing = [m for m, p in _modules().items() if not ast.get_docstring(ast.parse(p.read_text()))]
+    missing = [m for m, p in _modules().items() if not ast.get_docstring(_tree(p))]
     assert not missing, f"modules without a docstring: {missing}"
 
 
@@ -192,7 +200,7 @@ def test_one_event_loop_waits_on_the_ranks():
     for module, path in _modules().items():
         if not module.startswith("nbaccel.launch.") or module in WAITS_OUTSIDE_THE_LOOP:
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Attribute) and node.attr == "select":
                 bad.append(f"{module}:{node.lineno}")
     assert not bad, f"selector waits outside launch.loop (a second event loop?): {bad}"
@@ -202,7 +210,7 @@ def test_a_ranks_status_is_set_only_by_rank_state_move():
     """``RankState.move`` is the state machine: nothing else assigns a rank's ``status``."""
     bad = []
     for module, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             targets = node.targets if isinstance(node, ast.Assign) else []
             for target in targets:
                 for t in target.elts if isinstance(target, ast.Tuple) else [target]:
@@ -222,7 +230,7 @@ def _group_classes() -> set[str]:
     as written (a subclass of a subclass too)."""
     bases: dict[str, set[str]] = {}
     for path in _modules().values():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ClassDef):
                 names = {
                     b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases
@@ -245,7 +253,7 @@ def test_ranks_have_one_start_and_one_teardown():
     assert {"RankGroup", "ThreadHostGroup", "RayRankGroup"} <= groups, groups
     callers, builders = set(), set()
     for module, path in _modules().items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = _tree(path)
         inside_make_group = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name == "make_group":

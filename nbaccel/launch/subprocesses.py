@@ -97,13 +97,16 @@ class SubprocessGroup(RankGroupBase):
         readers = [r for r, _ in pipes]
         for reader in readers[:3]:
             os.set_blocking(reader.fileno(), False)
-        return SubprocessRank(spec.rank, process, *readers, os.pidfd_open(process.pid))
+        out, err, diag, events = readers
+        return SubprocessRank(
+            spec.rank, process, out, err, diag, events, os.pidfd_open(process.pid)
+        )
 
     def alive(self) -> list[SubprocessRank]:
         return [r for r in self.ranks if r.exitcode() is None]
 
     def was_stopped(self, rank: int, exitcode: int | None = None) -> bool:
-        sent = self._stop_signals.get(rank)
+        sent = self._stop_signals.get(rank, set())
         return bool(sent) and (exitcode is None or exitcode >= 0 or -exitcode in sent)
 
     def send_signal(self, ranks: list[SubprocessRank], sig: int) -> None:
