@@ -18,6 +18,7 @@ would fit, before any collective runs.
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,7 +120,11 @@ def trace(
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     spec = {point: SplitPoint.BEGINNING for point in split_points}
-    return pipeline(model, mb_args=tuple(micro_args), mb_kwargs=micro_kwargs, split_spec=spec)
+    with warnings.catch_warnings():
+        # torch's own tracer copies its tree specs through a deprecated check (torch 2.13): a
+        # warning on every rank that names nothing the user wrote
+        warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)", FutureWarning)
+        return pipeline(model, mb_args=tuple(micro_args), mb_kwargs=micro_kwargs, split_spec=spec)
 
 
 def batch_rows(args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> int | None:
