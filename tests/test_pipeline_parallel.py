@@ -6,6 +6,8 @@ runs every case (tracing and rank starts are the cost)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,6 +245,19 @@ def test_layouts_and_microbatches_are_checked_naming_what_would_fit():
         pipeline_training.schedule_class_name("zigzag", 1)
     with pytest.raises(ValueError, match="stages_per_rank=2"):
         pipeline_training.schedule_class_name("Interleaved1F1B", 1)
+
+
+def test_prepare_pippy_has_accelerates_signature_at_its_path():
+    accelerate_inference = pytest.importorskip("accelerate.inference")
+    import nbaccel.inference
+
+    def parameters(function):
+        return [(p.name, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert parameters(nbaccel.inference.prepare_pippy) == parameters(
+        accelerate_inference.prepare_pippy
+    )
+    assert nbaccel.prepare_pippy is nbaccel.inference.prepare_pippy
 
 
 def test_one_process_runs_every_stage_here_as_the_reference():

@@ -35,10 +35,8 @@ SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "interleaved1f1b": "ScheduleInterleaved1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
-    "loopedbfs": "ScheduleLoopedBFS",
-    "interleavedzerobubble": "ScheduleInterleavedZeroBubble",
 }
-_MULTI_STAGE = {"ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble"}
+_MULTI_STAGE = {"ScheduleInterleaved1F1B"}
 
 
 def schedule_class_name(schedule: str, stages_per_rank: int) -> str:
@@ -53,7 +51,7 @@ def schedule_class_name(schedule: str, stages_per_rank: int) -> str:
     if name is None:
         raise ValueError(
             f"schedule={schedule!r} is not a pipeline schedule; choose one of "
-            "'GPipe', '1F1B', 'Interleaved1F1B' (also 'LoopedBFS', 'InterleavedZeroBubble')"
+            "'GPipe', '1F1B', 'Interleaved1F1B'"
         )
     if stages_per_rank > 1 and name not in _MULTI_STAGE:
         raise ValueError(
