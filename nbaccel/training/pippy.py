@@ -125,8 +125,8 @@ def prepare_pippy(
             schedule, num_chunks, micro_rows, bool(gather_output), *args, **kwargs
         )
 
-    # Accelerate's shape: a plain function with __wrapped__, which extract_model_from_parallel
-    # unwraps back to the bound forward.
+    # Accelerate's shape, for code that reads it: a plain function whose __wrapped__ is the
+    # wrapper bound to the model.
     forward.__wrapped__ = MethodType(forward, model)  # type: ignore[attr-defined]
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
     return model
