@@ -65,17 +65,17 @@ def _model() -> TinyGPT:
     return TinyGPT()
 
 
-def _train(pipe_or_none, model, batches, microbatches):
-    """Two SGD steps; the losses and the gradients of the last step by parameter name. With
+def _train(pipe_or_none, model, batches):
+    """Two SGD steps (lr 0.5); the losses and the gradients of the last step by parameter name. With
     ``pipe_or_none`` None: the one-process reference, plain forward/backward on each batch."""
     if pipe_or_none is None:
         params = dict(model.named_parameters())
     else:
         params = dict(pipe_or_none.named_parameters())
-    optimizer = torch.optim.SGD(params.values(), lr=0.5)
     losses = []
     for step, (x, y) in enumerate(batches):
-        optimizer.zero_grad()
+        for p in params.values():
+            p.grad = None
         if pipe_or_none is None:
             loss = lm_loss(model(x), y)
             loss.backward()
@@ -83,7 +83,9 @@ def _train(pipe_or_none, model, batches, microbatches):
             loss = pipe_or_none.train_step(x, target=y)
         losses.append(loss.item())
         if step < len(batches) - 1:
-            optimizer.step()
+            with torch.no_grad():  # plain SGD by hand: torch.optim's first use imports dynamo
+                for p in params.values():
+                    p -= 0.5 * p.grad
     return losses, {name: p.grad.clone() for name, p in params.items()}
 
 
@@ -98,12 +100,12 @@ def _worst(diffs: list[float]) -> float:
 
 def _compare_training(rows, microbatches, **options) -> tuple[dict, nbaccel.PipelineModel]:
     batches = _batches(rows)
-    ref_losses, ref_grads = _train(None, _model(), batches, microbatches)
+    ref_losses, ref_grads = _train(None, _model(), batches)
     pipe = nbaccel.prepare_pipeline(
         _model(), example_batch=(batches[0][0],), loss_fn=lm_loss,
         num_microbatches=microbatches, **options,
     )  # fmt: skip
-    losses, grads = _train(pipe, None, batches, microbatches)
+    losses, grads = _train(pipe, None, batches)
     return {
         "loss": _worst([abs(a - b) for a, b in zip(losses, ref_losses)]),
         "grad": _worst([(grads[n] - ref_grads[n]).abs().max().item() for n in grads]),
@@ -150,8 +152,7 @@ def on_two_ranks() -> dict:
             schedule="Interleaved1F1B",
             stages_per_rank=2,
         )[0],  # fmt: skip
-        "pippy": _compare_pippy(2, split_points=["blocks.2"]),
-        "pippy_gathered": _compare_pippy(2, split_points="auto", gather_output=True),
+        "pippy_gathered": _compare_pippy(2, split_points=["blocks.2"], gather_output=True),
         "too_many_stages": _refusal(
             lambda: nbaccel.prepare_pipeline(
                 _model(),
@@ -190,8 +191,7 @@ def test_gpipe_and_interleaved_training_on_two_ranks_match_one_process(two_ranks
 
 
 @pytest.mark.slow
-def test_prepare_pippy_on_two_ranks_gives_the_one_process_output(two_ranks):
-    assert two_ranks["pippy"] <= 1e-5
+def test_prepare_pippy_gathered_on_two_ranks_gives_the_one_process_output(two_ranks):
     assert two_ranks["pippy_gathered"] <= 1e-5
 
 
@@ -208,7 +208,7 @@ def test_bad_pipelines_are_refused_in_the_ranks_naming_the_values(two_ranks):
 def test_data_parallel_pipelines_and_pippy_on_four_ranks_match_one_process():
     result = nbaccel.notebook_launcher(on_four_ranks, num_processes=4, progress=False)
     _assert_matches(result["dp2_pp2_1f1b"], (2, 2))
-    assert result["pippy"] <= 1e-5
+    assert result["pippy"] <= 1e-5  # the last rank's; None on the others (checked there)
 
 
 # -- the rules, without launching ------------------------------------------------------------
@@ -262,11 +262,12 @@ def test_prepare_pippy_has_accelerates_signature_at_its_path():
 
 def test_one_process_runs_every_stage_here_as_the_reference():
     batches = _batches(8)
-    ref_losses, ref_grads = _train(None, _model(), batches, 4)
+    ref_losses, ref_grads = _train(None, _model(), batches)
     pipe = nbaccel.prepare_pipeline(
         _model(), ["blocks.2"], example_batch=(batches[0][0],), loss_fn=lm_loss, num_microbatches=4
     )
-    losses, grads = _train(pipe, None, batches, 4)
+    losses, grads = _train(pipe, None, batches)
     assert losses == pytest.approx(ref_losses, abs=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-6, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    # not torch.testing.assert_close: it imports torch.distributed.tensor (seconds) to compare
+    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in grads) <= 1e-6
