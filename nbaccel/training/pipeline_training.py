@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbaccel.training import pipeline_stages
+from nbaccel.training import ops, pipeline_stages
 
 # Accepted schedule names (any case; '-' and '_' ignored) -> the torch class name.
 SCHEDULES = {
@@ -211,8 +211,10 @@ class PipelineModel:
         start = self.data_parallel_rank * part
         mine = pipeline_stages.rows_slice(inputs, start, start + part)
         mine_target = pipeline_stages.rows_slice(target, start, start + part)
-        if self.schedule is None:
+        if self.schedule is None:  # one process: the model stays where the user put it
             return self._run_here(mine, mine_target)
+        device = _device()  # the stages' (build_stage put them there); the batch may be on CPU
+        mine, mine_target = ops.send_to_device((mine, mine_target), device)
         losses: list[torch.Tensor] = []
         args = mine if self.is_first_stage else ()
         extra = {"target": mine_target, "losses": losses} if self.is_last_stage else {}
