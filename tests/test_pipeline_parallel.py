@@ -260,6 +260,7 @@ def test_prepare_pippy_has_accelerates_signature_at_its_path():
     assert nbaccel.prepare_pippy is nbaccel.inference.prepare_pippy
 
 
+@pytest.mark.slow
 def test_one_process_runs_every_stage_here_as_the_reference():
     batches = _batches(8)
     ref_losses, ref_grads = _train(None, _model(), batches)

@@ -67,6 +67,26 @@ def schedule_class_name(schedule: str, stages_per_rank: int) -> str:
     return name
 
 
+def check_interleaved_rounds(num_microbatches: int, pipeline_ranks: int) -> None:
+    """torch's interleaved schedule runs the micro-batches in ``max(1, m // ranks)`` rounds,
+    which must divide them; a ``ValueError`` naming counts that work otherwise.
+
+    >>> check_interleaved_rounds(4, 2)
+    >>> check_interleaved_rounds(5, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: an interleaved schedule on 2 pipeline ranks runs 5 micro-batches in 2 rounds, ...
+    """
+    rounds = max(1, num_microbatches // pipeline_ranks)
+    if num_microbatches % rounds:
+        raise ValueError(
+            f"an interleaved schedule on {pipeline_ranks} pipeline ranks runs "
+            f"{num_microbatches} micro-batches in {rounds} rounds, which must divide them: use "
+            f"up to {pipeline_ranks}, or a multiple of {pipeline_ranks} such as "
+            f"{pipeline_ranks * rounds} or {pipeline_ranks * (rounds + 1)}"
+        )
+
+
 def pipeline_layout(num_stages: int, stages_per_rank: int, world_size: int) -> tuple[int, int]:
     """``(pipeline ranks, data-parallel copies)`` for ``num_stages`` stages on ``world_size``
     processes; a ``ValueError`` naming the values and what would fit otherwise.
@@ -306,12 +326,8 @@ def prepare_pipeline(
         )  # fmt: skip
     pp, dp = pipeline_layout(num_stages, stages_per_rank, world)
     micro = micro_batch_rows(rows, dp, num_microbatches)
-    if class_name in _MULTI_STAGE and num_microbatches % pp:
-        raise ValueError(
-            f"schedule={schedule!r} needs num_microbatches to be a multiple of the {pp} "
-            f"pipeline ranks, got {num_microbatches}: use {pp * max(1, num_microbatches // pp)}"
-            f" or {pp * (num_microbatches // pp + 1)}"
-        )
+    if class_name in _MULTI_STAGE:
+        check_interleaved_rounds(num_microbatches, pp)
     import torch.distributed.pipelining as pipelining
 
     rank = dist.get_rank()
