@@ -243,7 +243,8 @@ class PipelineModel:
         # The last stage of each copy knows its rows' mean loss; one sum over every rank
         # (the other ranks add zero) divided by the copies is the global batch's mean.
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else None
-        total = torch.zeros((), dtype=torch.float32) if loss is None else loss.cpu()
+        # on the stages' device: NCCL reduces only GPU tensors
+        total = torch.zeros((), device=device) if loss is None else loss.to(device)
         dist.all_reduce(total)
         return total / self.data_parallel_size
 
