@@ -131,6 +131,32 @@ def _compare_pippy(rows, **options) -> float:
     return _worst([(output - expected).abs().max().item()])
 
 
+def _beside_accelerate() -> list[dict] | None:
+    """One row through nbaccel's and Accelerate's ``prepare_pippy`` on these ranks (padded to
+    a row per process by both): what each rank got, shapes and differences, on every rank."""
+    try:
+        from accelerate import PartialState as AcceleratePartialState
+        from accelerate.inference import prepare_pippy as accelerates
+    except ImportError:
+        return None
+    AcceleratePartialState(cpu=True)  # joins the process group nbaccel formed
+    torch.manual_seed(2)
+    row = torch.randint(0, VOCAB, (1, SEQ))
+    outputs = []
+    for prepare in (nbaccel.prepare_pippy, accelerates):
+        model = prepare(_model(), split_points=["blocks.2"], example_args=(row,))
+        with torch.no_grad():
+            outputs.append(model(row))
+    if outputs[0] is None:
+        mine = {"last": False, "both_none": outputs[1] is None}
+    else:
+        mine = {"last": True, "shapes": [tuple(o.shape) for o in outputs],
+                "diff": (outputs[0] - outputs[1]).abs().max().item()}  # fmt: skip
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return every
+
+
 def _refusal(call) -> str:
     try:
         call()
@@ -153,6 +179,7 @@ def on_two_ranks() -> dict:
             stages_per_rank=2,
         )[0],  # fmt: skip
         "pippy_gathered": _compare_pippy(2, split_points=["blocks.2"], gather_output=True),
+        "beside_accelerate": _beside_accelerate(),
         "too_many_stages": _refusal(
             lambda: nbaccel.prepare_pipeline(
                 _model(),
@@ -193,6 +220,17 @@ def test_gpipe_and_interleaved_training_on_two_ranks_match_one_process(two_ranks
 @pytest.mark.slow
 def test_prepare_pippy_gathered_on_two_ranks_gives_the_one_process_output(two_ranks):
     assert two_ranks["pippy_gathered"] <= 1e-5
+
+
+@pytest.mark.slow
+def test_prepare_pippy_pads_and_answers_as_accelerates_on_the_same_ranks(two_ranks):
+    result = two_ranks["beside_accelerate"]
+    if result is None:
+        pytest.skip("accelerate is not installed (a test-only dependency)")
+    assert result[0] == {"last": False, "both_none": True}
+    # one row, padded to one per process by both: Accelerate's output keeps the padding row
+    assert result[1]["shapes"] == [(2, SEQ, VOCAB), (2, SEQ, VOCAB)]
+    assert result[1]["diff"] == 0.0
 
 
 @pytest.mark.slow
