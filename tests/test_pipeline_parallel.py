@@ -93,7 +93,7 @@ def _worst(diffs: list[float]) -> float:
     """The largest difference over every rank (each rank holds its own stages)."""
     import torch.distributed as dist
 
-    worst = torch.tensor(max(diffs, default=0.0))
+    worst = torch.tensor(max(diffs, default=0.0), device=nbaccel.PartialState().device)  # NCCL
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
 
@@ -108,7 +108,7 @@ def _compare_training(rows, microbatches, **options) -> tuple[dict, nbaccel.Pipe
     losses, grads = _train(pipe, None, batches)
     return {
         "loss": _worst([abs(a - b) for a, b in zip(losses, ref_losses)]),
-        "grad": _worst([(grads[n] - ref_grads[n]).abs().max().item() for n in grads]),
+        "grad": _worst([(grads[n].cpu() - ref_grads[n]).abs().max().item() for n in grads]),
         "names": _worst([float(set(grads) - set(ref_grads) != set())]),
         "layout": (pipe.pipeline_size, pipe.data_parallel_size),
     }, pipe
@@ -122,8 +122,9 @@ def _compare_pippy(rows, **options) -> float:
         expected = model(x)
     world = torch.distributed.get_world_size()
     model = nbaccel.prepare_pippy(model, example_args=(x[: rows // world],), **options)
-    with torch.no_grad():
-        output = model(x)
+    with torch.no_grad():  # the inputs where the stages are, as with Accelerate's (GPU checks)
+        output = model(x.to(nbaccel.PartialState().device))
+    output = None if output is None else output.cpu()
     if not options.get("gather_output"):
         last = torch.distributed.get_rank() == world - 1
         assert (output is None) != last, "the output belongs to the last process only"
@@ -138,6 +139,8 @@ def _beside_accelerate() -> list[dict] | None:
         from accelerate import PartialState as AcceleratePartialState
         from accelerate.inference import prepare_pippy as accelerates
     except ImportError:
+        return None
+    if nbaccel.PartialState().device.type != "cpu":  # a CPU comparison (gpu_checks/ skip it)
         return None
     AcceleratePartialState(cpu=True)  # joins the process group nbaccel formed
     torch.manual_seed(2)
