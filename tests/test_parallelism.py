@@ -1,0 +1,300 @@
+"""N-D parallelism (``Accelerator(parallelism_config=ParallelismConfig(...))``) on 4 CPU ranks:
+``ParallelismConfig`` beside Accelerate's own (fields, variables, dimension names, refusals),
+then one launch that trains a small transformer block with dp_replicate 2 × tp 2,
+dp_shard 2 × tp 2 and HSDP 2 × 2 against the same model trained in one process on the same
+global batches, checkpoints that resume bit for bit, loaders that give a tensor-parallel group
+the same batches, and a tiny transformers model split by its own ``tp_plan``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbaccel
+from nbaccel.core.config import ConfigError, LaunchConfig
+from nbaccel.core.parallelism_settings import world_mismatch
+from nbaccel.parallelism_config import ParallelismConfig
+from nbaccel.utils import TorchTensorParallelConfig
+
+WIDTH, HEADS, SEQ = 16, 4, 6
+PLAN = {
+    "attn.q": "colwise",
+    "attn.k": "colwise",
+    "attn.v": "colwise",
+    "attn.o": "rowwise",
+    "up": "colwise",
+    "down": "rowwise",
+}
+STEPS, BATCH = 4, 2  # optimizer steps; samples per data-parallel rank per step
+CONFIGS = {
+    "dp_replicate2_tp2": {"dp_replicate_size": 2, "tp_size": 2},
+    "dp_shard2_tp2": {"dp_shard_size": 2, "tp_size": 2},
+    "hsdp2x2": {"dp_replicate_size": 2, "dp_shard_size": 2},
+}
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        # no key bias: softmax cancels it, so its gradient is rounding noise that Adam would
+        # turn into full-size steps, different in every summation order
+        self.k = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: a tensor-parallel rank holds HEADS / tp of them
+        q, k, v = (
+            f(x).view(b, t, -1, WIDTH // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: attention and an MLP, each with a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(WIDTH), torch.nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+        self.up, self.down = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+def _data(n: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, SEQ, WIDTH, generator=g)
+    return torch.utils.data.TensorDataset(x, x.roll(1, dims=1).tanh())
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _one_process(dp: int) -> dict[str, torch.Tensor]:
+    """The same model trained in this process on the global batches of ``dp`` ranks."""
+    torch.manual_seed(0)
+    model = Block()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(_data(STEPS * BATCH * dp), batch_size=BATCH * dp)
+    for x, y in loader:
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_all(folder: str) -> dict:
+    """On each rank: every configuration in turn; full weights, checkpoint round trips, the
+    batches each rank saw."""
+    import torch.distributed as dist
+
+    from nbaccel import Accelerator
+
+    out: dict = {}
+    for name, sizes in CONFIGS.items():
+        plan = TorchTensorParallelConfig(plan=PLAN) if "tp_size" in sizes else None
+        config = ParallelismConfig(**sizes, tp_handler=plan)
+        acc = Accelerator(parallelism_config=config)
+        dp = config.data_parallel_size
+        torch.manual_seed(acc.process_index)  # rank 0's initial weights must win
+        model = Block()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        loader = torch.utils.data.DataLoader(_data(STEPS * BATCH * dp), batch_size=BATCH)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        batches = list(loader)
+        first = [x[0, 0, 0].item() for x, _ in batches]
+        target = Path(folder) / name
+        after: dict = {}
+        for step, (x, y) in enumerate(batches):
+            if step == STEPS // 2:
+                acc.save_state(str(target))
+            acc.backward(_loss(model, x, y))
+            opt.step()
+            opt.zero_grad()
+        full = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
+        acc.load_state(str(target))
+        for x, y in batches[STEPS // 2 :]:
+            acc.backward(_loss(model, x, y))
+            opt.step()
+            opt.zero_grad()
+        after = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
+        acc.save_model(model, str(target / "model"))
+        predictions = acc.gather_for_metrics(batches[0][0][:, 0, 0])
+        out[name] = {
+            "full": full,
+            "resumed": after,
+            "first": first,
+            "mesh": acc.torch_device_mesh.mesh_dim_names,
+            "ranks": (
+                acc.data_parallel_rank,
+                acc.data_parallel_shard_rank,
+                acc.tensor_parallel_rank,
+            ),
+            "coordinates": acc.mesh_coordinates(),
+            "gathered": predictions.tolist(),
+            "distributed_type": str(acc.distributed_type),
+            "composable": acc.is_composable_parallelism_enabled,
+        }
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("nd")
+    results = nbaccel.notebook_launcher(
+        _train_all, (str(folder),), num_processes=4, return_all=True, progress=False
+    )
+    return results, folder
+
+
+# -- ParallelismConfig beside Accelerate's, without launching ---------------------------------
+
+SIZES = [
+    {"dp_shard_size": 4},
+    {"dp_shard_size": 2, "tp_size": 2},
+    {"dp_replicate_size": 2, "dp_shard_size": 2},
+    {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2},
+    {"dp_shard_size": 2, "cp_size": 2},
+    {},
+]
+
+
+@pytest.mark.parametrize(
+    "sizes", SIZES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()) or "none"
+)
+def test_dimensions_are_accelerates(sizes):
+    from accelerate.parallelism_config import ParallelismConfig as Theirs
+
+    ours, theirs = ParallelismConfig(**sizes), Theirs(**sizes)
+    for name in (
+        "dp_dim_names",
+        "non_dp_dim_names",
+        "dp_shard_cp_dim_names",
+        "dp_cp_dim_names",
+        "fsdp_dim_names",
+        "active_mesh_dims",
+        "total_size",
+        "data_parallel_size",
+        "non_data_parallel_size",
+        "tp_enabled",
+        "cp_enabled",
+    ):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert tuple(ours._get_mesh()) == tuple(theirs._get_mesh())
+
+
+def test_sizes_come_from_accelerates_variables(monkeypatch):
+    from accelerate.parallelism_config import ParallelismConfig as Theirs
+
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "2")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
+    ours, theirs = ParallelismConfig(), Theirs()
+    assert (ours.dp_shard_size, ours.tp_size) == (theirs.dp_shard_size, theirs.tp_size) == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"tp_size": 0}, {"cp_backend": "ring"}, {"cp_size": 2, "sp_size": 2}]
+)
+def test_bad_sizes_refused_as_accelerate_refuses(bad):
+    from accelerate.parallelism_config import ParallelismConfig as Theirs
+
+    with pytest.raises(ValueError) as theirs:
+        Theirs(**bad)
+    with pytest.raises(ValueError) as ours:
+        ParallelismConfig(**bad)
+    assert str(ours.value).split(",")[0] == str(theirs.value).split(",")[0]
+
+
+def test_sizes_that_do_not_make_the_world_say_what_fits():
+    message = world_mismatch({"dp_shard": 3, "tp": 2}, 4)
+    assert "make 6 ranks" in message and "4 processes" in message
+    assert "dp_shard_size=2" in message  # what would fit with tp_size=2
+    assert "tp_size=3 must divide" in world_mismatch({"tp": 3}, 4)
+    assert world_mismatch({"dp_shard": 2, "tp": 2}, 4) is None
+
+
+def test_launch_config_carries_the_sizes_and_refuses_a_bad_world(tmp_path):
+    cfg = LaunchConfig(
+        num_processes=4, parallelism_config_dp_shard_size=2, parallelism_config_tp_size=2
+    )
+    env = cfg.worker_env()
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_TP_SIZE"]) == (
+        "2",
+        "2",
+    )
+    assert LaunchConfig.load(cfg.save(tmp_path / "c.yaml")) == cfg
+    with pytest.raises(ConfigError, match=r"dp_shard 3 × tp 2 make 6 ranks.*dp_shard_size=2"):
+        LaunchConfig(
+            num_processes=4, parallelism_config_dp_shard_size=3, parallelism_config_tp_size=2
+        )
+
+
+# -- on 4 ranks: one launch, every configuration -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_trains_to_the_one_process_weights(trained, name):
+    results, _ = trained
+    dp = math.prod(v for k, v in CONFIGS[name].items() if k.startswith("dp"))
+    want = _one_process(dp)
+    for rank, result in enumerate(results):
+        got = result[name]["full"]
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(
+                got[key], want[key], atol=1e-5, rtol=0, msg=f"rank {rank} {key}"
+            )
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_checkpoints_resume_bit_for_bit(trained, name):
+    results, folder = trained
+    for result in results:
+        full, resumed = result[name]["full"], result[name]["resumed"]
+        assert all(torch.equal(full[k], resumed[k]) for k in full)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / name / "model" / "model.safetensors"))
+    assert all(torch.equal(saved[k], results[0][name]["full"][k]) for k in saved)
+
+
+def test_a_tensor_parallel_group_sees_the_same_batches(trained):
+    results, _ = trained
+    first = [r["dp_shard2_tp2"]["first"] for r in results]
+    assert first[0] == first[1] and first[2] == first[3]  # one tp group each
+    assert first[0] != first[2]  # the two data-parallel ranks differ
+    hsdp = [r["hsdp2x2"]["first"] for r in results]
+    assert len({tuple(f) for f in hsdp}) == 4  # no tp: four data-parallel ranks
+    # gather_for_metrics counts each data-parallel rank once: 2 ranks × BATCH samples
+    gathered = results[0]["dp_shard2_tp2"]["gathered"]
+    assert len(gathered) == 2 * BATCH
+    assert (gathered[0], gathered[BATCH]) == (first[0][0], first[2][0])
+
+
+def test_mesh_names_and_ranks_are_accelerates(trained):
+    results, _ = trained
+    assert results[0]["dp_shard2_tp2"]["mesh"] == ("dp_shard", "tp")
+    assert results[0]["hsdp2x2"]["mesh"] == ("dp_replicate", "dp_shard")
+    assert [r["dp_shard2_tp2"]["ranks"] for r in results] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+    ]
+    assert [r["dp_replicate2_tp2"]["coordinates"] for r in results][3] == {
+        "dp_replicate": 1,
+        "tp": 1,
+    }
+    assert results[0]["dp_shard2_tp2"]["distributed_type"] == "DistributedType.FSDP"
+    assert results[0]["dp_shard2_tp2"]["composable"] is True
+    assert results[0]["dp_replicate2_tp2"]["composable"] is False
