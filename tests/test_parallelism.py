@@ -7,6 +7,8 @@ the same batches, and a tiny transformers model split by its own ``tp_plan``."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 from pathlib import Path
 
@@ -29,11 +31,14 @@ PLAN = {
     "down": "rowwise",
 }
 STEPS, BATCH = 4, 2  # optimizer steps; samples per data-parallel rank per step
-CONFIGS = {
-    "dp_replicate2_tp2": {"dp_replicate_size": 2, "tp_size": 2},
-    "dp_shard2_tp2": {"dp_shard_size": 2, "tp_size": 2},
-    "hsdp2x2": {"dp_replicate_size": 2, "dp_shard_size": 2},
+CONFIGS = {  # every size given: the launch's PARALLELISM_CONFIG_* fill those left out
+    "dp_replicate2_tp2": {"dp_replicate_size": 2, "dp_shard_size": 1, "tp_size": 2},
+    "dp_shard2_tp2": {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2},
+    "hsdp2x2": {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1},
 }
+LAUNCH = LaunchConfig(
+    num_processes=4, parallelism_config_dp_shard_size=2, parallelism_config_tp_size=2
+)
 
 
 class Attention(torch.nn.Module):
@@ -98,9 +103,9 @@ def _train_all(folder: str) -> dict:
 
     from nbaccel import Accelerator
 
-    out: dict = {}
+    out: dict = {"from_launch": Accelerator().parallelism_config.describe()}
     for name, sizes in CONFIGS.items():
-        plan = TorchTensorParallelConfig(plan=PLAN) if "tp_size" in sizes else None
+        plan = TorchTensorParallelConfig(plan=PLAN) if sizes["tp_size"] > 1 else None
         config = ParallelismConfig(**sizes, tp_handler=plan)
         acc = Accelerator(parallelism_config=config)
         dp = config.data_parallel_size
@@ -150,10 +155,12 @@ def _train_all(folder: str) -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("nd")
-    results = nbaccel.notebook_launcher(
-        _train_all, (str(folder),), num_processes=4, return_all=True, progress=False
-    )
-    return results, folder
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results = nbaccel.notebook_launcher(
+            _train_all, (str(folder),), config=LAUNCH, return_all=True
+        )
+    return results, folder, printed.getvalue()
 
 
 # -- ParallelismConfig beside Accelerate's, without launching ---------------------------------
@@ -244,7 +251,7 @@ def test_launch_config_carries_the_sizes_and_refuses_a_bad_world(tmp_path):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_trains_to_the_one_process_weights(trained, name):
-    results, _ = trained
+    results, _, _ = trained
     dp = math.prod(v for k, v in CONFIGS[name].items() if k.startswith("dp"))
     want = _one_process(dp)
     for rank, result in enumerate(results):
@@ -258,7 +265,7 @@ def test_trains_to_the_one_process_weights(trained, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_checkpoints_resume_bit_for_bit(trained, name):
-    results, folder = trained
+    results, folder, _ = trained
     for result in results:
         full, resumed = result[name]["full"], result[name]["resumed"]
         assert all(torch.equal(full[k], resumed[k]) for k in full)
@@ -269,7 +276,7 @@ def test_checkpoints_resume_bit_for_bit(trained, name):
 
 
 def test_a_tensor_parallel_group_sees_the_same_batches(trained):
-    results, _ = trained
+    results, _, _ = trained
     first = [r["dp_shard2_tp2"]["first"] for r in results]
     assert first[0] == first[1] and first[2] == first[3]  # one tp group each
     assert first[0] != first[2]  # the two data-parallel ranks differ
@@ -282,7 +289,7 @@ def test_a_tensor_parallel_group_sees_the_same_batches(trained):
 
 
 def test_mesh_names_and_ranks_are_accelerates(trained):
-    results, _ = trained
+    results, _, _ = trained
     assert results[0]["dp_shard2_tp2"]["mesh"] == ("dp_shard", "tp")
     assert results[0]["hsdp2x2"]["mesh"] == ("dp_replicate", "dp_shard")
     assert [r["dp_shard2_tp2"]["ranks"] for r in results] == [
@@ -298,3 +305,23 @@ def test_mesh_names_and_ranks_are_accelerates(trained):
     assert results[0]["dp_shard2_tp2"]["distributed_type"] == "DistributedType.FSDP"
     assert results[0]["dp_shard2_tp2"]["composable"] is True
     assert results[0]["dp_replicate2_tp2"]["composable"] is False
+
+
+def test_the_launch_says_the_mesh_and_each_ranks_place(trained):
+    results, _, printed = trained
+    assert all(r["from_launch"] == "dp_shard 2 × tp 2" for r in results)  # PARALLELISM_CONFIG_*
+    banner = next(line for line in printed.splitlines() if "launching" in line)
+    assert "strategy=ddp (unless set in code), dp_shard 2 × tp 2," in banner
+    table = printed[printed.index(" role ") :]
+    assert "dp_replicate 1, dp_shard 1" in table  # rank 3 in the last mesh (HSDP 2 × 2)
+
+
+def test_a_launch_refuses_sizes_that_cannot_run_before_any_rank_starts():
+    def never():
+        raise AssertionError("a rank started")
+
+    bad = LAUNCH.replace(parallelism_config_tp_size=1, parallelism_config_cp_size=2)
+    with pytest.raises(ValueError, match=r"cp_size=2: context parallelism .* use cp_size=1"):
+        nbaccel.notebook_launcher(never, config=bad)
+    with pytest.raises(ValueError, match=r"dp_shard 2 × tp 2 make 4 ranks, but the launch has 2"):
+        nbaccel.notebook_launcher(never, config=LAUNCH, num_processes=2)

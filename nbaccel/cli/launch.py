@@ -35,7 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
+from nbaccel.core import (
+    deepspeed_settings,
+    fsdp_settings,
+    hardware,
+    parallelism_settings,
+    rendezvous,
+)
 from nbaccel.core.config import LaunchConfig, third_party_env
 from nbaccel.launch import capacity
 from nbaccel.launch.errors import RankFailedError, UsageError
@@ -66,6 +72,7 @@ def resolve_config(args: argparse.Namespace) -> LaunchConfig:
         max_restarts=args.max_restarts,
         **{k: getattr(args, k, None) for k in fsdp_settings.ENV},  # validated by LaunchConfig
         **{k: getattr(args, k, None) for k in deepspeed_settings.ENV},
+        **{k: getattr(args, k, None) for k in parallelism_settings.ENV},
     )
 
 
@@ -237,6 +244,7 @@ def launch(args: argparse.Namespace) -> int:
     world_size = nprocs * cfg.num_machines
     try:
         capacity.check_process_count(nprocs, world_size, not gpus, name="--num_processes")
+        parallelism_settings.check_launch(cfg.to_dict(), world_size, on_gpus=bool(gpus))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

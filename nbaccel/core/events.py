@@ -117,6 +117,9 @@ class RankSettings:
     strategy: str
     device: str
     gradient_accumulation_steps: int
+    # N-D parallelism: the mesh ("dp_shard 2 × tp 2") and this rank's place ("dp_shard 1, tp 0")
+    parallelism: str = ""
+    coordinates: str = ""
 
 
 @dataclasses.dataclass

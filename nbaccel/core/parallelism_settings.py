@@ -47,6 +47,16 @@ def sizes_of(fields: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
+def launch_description(fields: Mapping[str, Any]) -> str:
+    """The banner's words for a launch's sizes ("" when it asks for no N-D parallelism).
+
+    >>> launch_description({"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2})
+    'dp_shard 2 × tp 2'
+    """
+    sizes = sizes_of(fields)
+    return describe(sizes) if any(v > 1 for v in sizes.values()) else ""
+
+
 def describe(sizes: Mapping[str, int]) -> str:
     """``"dp_shard 2 × tp 2"``: the dimensions larger than 1, in mesh order."""
     parts = [f"{dim} {sizes[dim]}" for dim in MESH_ORDER if sizes.get(dim, 1) > 1]
@@ -97,3 +107,36 @@ def coordinates(sizes: Mapping[str, int], rank: int) -> dict[str, int]:
         if index == rank:
             return {d: p for (d, _), p in zip(dims, point)}
     return {}
+
+
+def context_parallel_problem(cp_size: int, device_type: str) -> str | None:
+    """Why ``cp_size`` cannot run on ``device_type`` devices (torch's context parallelism is
+    ring attention on GPUs), else None.
+
+    >>> context_parallel_problem(1, "cpu") is None
+    True
+    """
+    if cp_size <= 1 or device_type == "cuda":
+        return None
+    return (
+        f"cp_size={cp_size}: context parallelism splits each sequence over GPUs with torch's "
+        "ring attention (scaled_dot_product_attention's flash and efficient kernels), which "
+        f"does not run on {device_type!r} devices; use cp_size=1 here (or run it on GPUs)"
+    )
+
+
+def check_launch(fields: Mapping[str, Any], world_size: int, on_gpus: bool) -> None:
+    """Refuse, before any rank starts, sizes that do not make ``world_size`` ranks and context
+    parallelism without GPUs (a ValueError naming the values and what would fit).
+
+    >>> check_launch({"parallelism_config_cp_size": 2}, 2, on_gpus=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: cp_size=2: context parallelism ... use cp_size=1 here (or run it on GPUs).
+    """
+    sizes = sizes_of(fields)
+    problem = world_mismatch(sizes, world_size) or context_parallel_problem(
+        sizes.get("cp", 1), "cuda" if on_gpus else "cpu"
+    )
+    if problem:
+        raise ValueError(f"{problem}.")

@@ -23,6 +23,7 @@ from nbaccel.core import (
     hardware,
     kernel_settings,
     local_traceback,
+    parallelism_settings,
     pickling,
     rendezvous,
     shared_tensors,
@@ -104,6 +105,7 @@ def resolve_plan(
     if cpu:
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
     capabilities.check_precision(cfg.mixed_precision, gpus)
+    parallelism_settings.check_launch(cfg.to_dict(), nprocs * num_nodes, on_gpus=bool(gpus))
     capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
     master_addr = options.master_addr
     port = _resolve_port(options.use_port, master_addr, node_rank, num_nodes)
@@ -127,6 +129,7 @@ def resolve_plan(
         master_port=port,
         start_method=method,
         placement=cluster.placement if cluster is not None else "",
+        parallelism=parallelism_settings.launch_description(cfg.to_dict()),
         line_prefix=(
             DEFAULT_LINE_PREFIX
             if options.log_line_prefix_template is None

@@ -96,6 +96,8 @@ class LaunchInfo:
     line_prefix: str = DEFAULT_LINE_PREFIX  # torch elastic's log_line_prefix_template form
     # Where a cluster placed the ranks, as its Cluster.placement says it ("" on this machine)
     placement: str = ""
+    # N-D parallelism the launch asked for ("dp_shard 2 × tp 2"; "" for none)
+    parallelism: str = ""
 
     def label(self, rank: int) -> str:
         """The prefix of ``rank``'s output lines in text views.
@@ -112,7 +114,8 @@ class LaunchInfo:
         return (
             f"{self.num_processes} process{'es' if self.num_processes != 1 else ''} "
             f"on {self.device} ({self.backend}{machines}), mixed_precision={self.mixed_precision}, "
-            f"strategy={self.strategy}, {where}"
+            f"strategy={self.strategy}, {self.parallelism + ', ' if self.parallelism else ''}"
+            f"{where}"
         )
 
 

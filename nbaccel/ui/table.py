@@ -22,6 +22,7 @@ from nbaccel.ui.summary import (
     format_memory,
     format_metrics,
     format_rate,
+    role,
     run_line,
     stall_text,
     waiting_text,
@@ -57,6 +58,11 @@ def header_html(state: LaunchState, now: float) -> str:
         ("devices", f"{devices} ({info.backend})"),
         ("precision", precision),
         ("strategy", strategy),
+        *(
+            [("mesh", first.get("parallelism") or info.parallelism)]
+            if first.get("parallelism") or info.parallelism
+            else []
+        ),
         ("grad. accumulation", accumulation),
         ("elapsed", format_seconds(state.elapsed(now))),
     ]
@@ -92,8 +98,10 @@ def row_html(
         if straggler
         else ""
     )
+    place = role(rank)
     cells = [
-        f"rank {rank.rank}",
+        f"rank {rank.rank}"
+        + (f" <span class='nbaccel-role'>· {html.escape(place)}</span>" if place else ""),
         f"<span style='color:{colour};font-weight:600'>{rank.shown_status}</span>"
         f"{html.escape(compiling_note(rank, now))}{mark}",
         html.escape(format_count(rank)),

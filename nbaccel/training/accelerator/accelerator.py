@@ -207,7 +207,11 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
         )
         self.gradient_state = self._gs  # Accelerate's public name for the same object
         settings_report.report_settings(
-            self.mixed_precision, self.strategy, str(self.device), opts.steps
+            self.mixed_precision,
+            self.strategy,
+            str(self.device),
+            opts.steps,
+            **self._mesh_report(),
         )
         self.device_placement = device_placement
         self.dataloader_config = opts.dataloader_config

@@ -133,6 +133,14 @@ class MeshFacts(AcceleratorParts):
             return {}
         return parallelism_settings.coordinates(config._sizes, self.process_index)
 
+    def _mesh_report(self) -> dict[str, str]:
+        """The mesh and this rank's place in it, for the launch's banner and role column."""
+        config = self._parallelism
+        if config is None or self._mesh is None:
+            return {}
+        place = ", ".join(f"{d} {i}" for d, i in self.mesh_coordinates().items())
+        return {"parallelism": config.describe(), "coordinates": place}
+
     def _data_parallel_state(self) -> Any:
         """The facts a prepared loader shards by: the data-parallel ranks only, so the ranks of
         one tensor-parallel (or context-parallel) group load the same batches."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from nbaccel.core.parallelism_settings import USE_ENV
+from nbaccel.core.parallelism_settings import USE_ENV, context_parallel_problem
 from nbaccel.training.process import ProcessState
 
 if TYPE_CHECKING:
@@ -37,27 +37,15 @@ def build(
         from nbaccel.training.parallelism_config import ParallelismConfig
 
         config = ParallelismConfig()
-    refuse_context_parallel(config.size("cp"), process.device.type)
+    problem = context_parallel_problem(config.size("cp"), process.device.type)
+    if problem:
+        raise NotImplementedError(f"{problem}.")
     has_dims = bool(config.active_mesh_dims)
     config._validate_accelerator(process.num_processes, process.is_main_process)
     # As Accelerate: a config with no dimension above 1 is plain data parallelism (its
     # dp_replicate_size becomes the world size) without a mesh.
     mesh = config.get_device_mesh(process.device.type) if has_dims else None
     return config, mesh
-
-
-def refuse_context_parallel(cp_size: int, device_type: str) -> None:
-    """Context parallelism needs torch's ring attention on GPUs; refuse it elsewhere.
-
-    >>> refuse_context_parallel(1, "cpu")
-    """
-    if cp_size > 1 and device_type != "cuda":
-        raise NotImplementedError(
-            f"cp_size={cp_size}: context parallelism splits each sequence over GPUs with "
-            "torch's ring attention (scaled_dot_product_attention's flash and efficient "
-            f"kernels), which does not run on {device_type!r} devices; use cp_size=1 here (or "
-            "run it on GPUs)."
-        )
 
 
 def strategy(
