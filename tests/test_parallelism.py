@@ -246,6 +246,26 @@ def test_launch_config_carries_the_sizes_and_refuses_a_bad_world(tmp_path):
         )
 
 
+def test_the_config_panel_edits_and_saves_the_sizes(tmp_path):
+    from nbaccel.core.hardware import Hardware
+    from nbaccel.ui.config_panel import ConfigPanel, panel_text
+    from tests.test_config_panel import frontend_click, frontend_update
+
+    cpus = Hardware(cpu_count=8, gpus=())
+    cfg = LaunchConfig(num_processes=4)
+    panel = ConfigPanel(cfg, cpus, tmp_path / "cfg.yaml", torchao=False)
+    frontend_update(panel.parallelism["parallelism_config_dp_shard_size"], value=2)
+    frontend_update(panel.parallelism["parallelism_config_tp_size"], value=2)
+    assert (cfg.parallelism_config_dp_shard_size, cfg.parallelism_config_tp_size) == (2, 2)
+    frontend_update(panel.num_processes, value=2)  # the sizes make 4: saving says so
+    frontend_click(panel.save_button)
+    assert "not saved" in panel.status.value and "make 4 ranks" in panel.status.value
+    frontend_update(panel.num_processes, value=4)
+    frontend_click(panel.save_button)
+    assert LaunchConfig.load(tmp_path / "cfg.yaml") == cfg
+    assert "dp_shard_size=2, tp_size=2" in panel_text(cfg, cpus, [], tmp_path)
+
+
 # -- on 4 ranks: one launch, every configuration -----------------------------------------------
 
 
