@@ -42,31 +42,33 @@ LAUNCH = LaunchConfig(
 
 
 class Attention(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.q, self.v, self.o = (torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.head_dim = width // heads
+        self.q, self.v, self.o = (torch.nn.Linear(width, width) for _ in range(3))
         # no key bias: softmax cancels it, so its gradient is rounding noise that Adam would
         # turn into full-size steps, different in every summation order
-        self.k = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self.k = torch.nn.Linear(width, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # -1 heads: a tensor-parallel rank holds HEADS / tp of them
+        # -1 heads: a tensor-parallel rank holds heads / tp of them
         q, k, v = (
-            f(x).view(b, t, -1, WIDTH // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v)
+            f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v)
         )
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(torch.nn.Module):
-    """A pre-norm transformer block: attention and an MLP, each with a residual."""
+    """A pre-norm transformer block: attention and an MLP, each with a residual (also the
+    benchmarks' model, ``benchmarks/parallelism.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH, heads: int = HEADS) -> None:
         super().__init__()
-        self.norm1, self.norm2 = torch.nn.LayerNorm(WIDTH), torch.nn.LayerNorm(WIDTH)
-        self.attn = Attention()
-        self.up, self.down = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
