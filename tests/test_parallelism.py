@@ -7,6 +7,7 @@ the same batches, and a tiny transformers model split by its own ``tp_plan``."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import math
@@ -98,6 +99,86 @@ def _one_process(dp: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def nd_parallel_train(args: argparse.Namespace) -> list[float]:
+    """Accelerate's ``examples/torch_native_parallelism/nd_parallel.py`` training function,
+    step for step (its calls, in its order), written against nbaccel: a config-built tiny
+    Llama from ``args.model_name``, generated token data instead of TinyStories, no wandb. One
+    change beyond the import: the model is saved as Accelerate documents for sharded models
+    (``unwrap_model(model).save_pretrained(..., state_dict=accelerator.get_state_dict(model))``),
+    since transformers 5.24's ``save_pretrained`` gathers only models it sharded itself."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    from nbaccel import Accelerator
+    from nbaccel.utils import FullyShardedDataParallelPlugin, set_seed
+
+    set_seed(42)
+    parallelism_config = ParallelismConfig(
+        dp_replicate_size=args.dp_replicate_size,
+        dp_shard_size=args.dp_shard_size,
+        tp_size=args.tp_size,
+        cp_size=args.cp_size,
+    )
+    fsdp2_plugin = None
+    if parallelism_config.dp_shard_enabled or parallelism_config.cp_enabled:
+        fsdp2_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            state_dict_type="SHARDED_STATE_DICT",
+        )
+    accelerator = Accelerator(
+        mixed_precision="bf16", parallelism_config=parallelism_config, fsdp_plugin=fsdp2_plugin
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_name, dtype=torch.bfloat16, use_cache=False
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    tokens = torch.randint(
+        0, 64, (16, args.sequence_length + 1), generator=torch.Generator().manual_seed(0)
+    )
+    dataset = [{"input_ids": t[:-1], "shift_labels": t[1:], "labels": t[1:]} for t in tokens]
+    dataloader = DataLoader(dataset, batch_size=1)
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    losses = []
+    for step, batch in enumerate(dataloader):
+        if step >= args.num_steps:
+            break
+        batch["position_ids"] = torch.arange(0, batch["input_ids"].size(1)).unsqueeze(0)
+        buffers = [
+            batch["input_ids"],
+            batch["shift_labels"],
+            batch["labels"],
+            batch["position_ids"],
+        ]
+        with accelerator.maybe_context_parallel(
+            buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)
+        ):
+            loss_reduce_grp = (
+                accelerator.torch_device_mesh["dp_cp"].get_group()
+                if accelerator.parallelism_config.dp_cp_dim_names
+                else None
+            )
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=loss_reduce_grp)
+        losses.append(loss.item())
+        if (
+            step % args.checkpoint_frequency == 0
+            and step > 0
+            and parallelism_config.dp_shard_enabled
+        ):
+            accelerator.save_state(args.save_dir + f"/checkpoint-{step}")
+    accelerator.unwrap_model(model).save_pretrained(
+        args.save_dir + "/model", state_dict=accelerator.get_state_dict(model)
+    )
+    accelerator.end_training()
+    return losses
+
+
 def _train_all(folder: str) -> dict:
     """On each rank: every configuration in turn; full weights, checkpoint round trips, the
     batches each rank saw."""
@@ -151,12 +232,38 @@ def _train_all(folder: str) -> dict:
             "composable": acc.is_composable_parallelism_enabled,
         }
         dist.barrier()
+    port = Path(folder) / "nd_parallel"
+    out["nd_parallel"] = nd_parallel_train(
+        argparse.Namespace(
+            dp_replicate_size=2,
+            dp_shard_size=2,
+            tp_size=1,
+            cp_size=1,
+            sequence_length=8,
+            num_steps=3,
+            save_dir=str(port),
+            checkpoint_frequency=2,
+            model_name=str(Path(folder) / "tiny-llama"),
+        )
+    )
     return out
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     folder = tmp_path_factory.mktemp("nd")
+    tiny = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny).save_pretrained(folder / "tiny-llama")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         results = nbaccel.notebook_launcher(
@@ -347,3 +454,15 @@ def test_a_launch_refuses_sizes_that_cannot_run_before_any_rank_starts():
         nbaccel.notebook_launcher(never, config=bad)
     with pytest.raises(ValueError, match=r"dp_shard 2 × tp 2 make 4 ranks, but the launch has 2"):
         nbaccel.notebook_launcher(never, config=LAUNCH, num_processes=2)
+
+
+def test_accelerates_nd_parallel_example_runs(trained):
+    results, folder, _ = trained
+    losses = [r["nd_parallel"] for r in results]
+    assert all(len(ls) == 3 and all(math.isfinite(x) for x in ls) for ls in losses)
+    assert losses[0] == losses[1] == losses[2] == losses[3]  # the dp_cp-averaged loss
+    assert (folder / "nd_parallel" / "checkpoint-2").is_dir()
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(folder / "nd_parallel" / "model")
+    assert saved.config.architectures == ["LlamaForCausalLM"]
