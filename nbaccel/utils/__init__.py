@@ -36,7 +36,7 @@ _LAZY = {
             "ProjectConfiguration",
             "RNGType",
         ],
-        _T + "options",
+        _T + "kwargs_handlers",
     ),
     **dict.fromkeys(
         [
@@ -57,7 +57,7 @@ _LAZY = {
         ["find_executable_batch_size", "release_memory", "should_reduce_batch_size"],
         _T + "memory",
     ),
-    **dict.fromkeys(["set_seed", "synchronize_rng_states"], _T + "random"),
+    **dict.fromkeys(["set_seed", "synchronize_rng_states"], _T + "rng"),
     **dict.fromkeys(["load_checkpoint_in_model"], _T + "model_files"),
     **dict.fromkeys(["skip_first_batches"], _T + "data"),
     **dict.fromkeys(["FullyShardedDataParallelPlugin"], _T + "fsdp_plugin"),
@@ -73,7 +73,7 @@ _LAZY = {
         _T + "parallelism_config",
     ),
     **dict.fromkeys(["DummyOptim", "DummyScheduler"], _T + "deepspeed_dummies"),
-    **dict.fromkeys(["DistributedType"], _T + "process"),
+    **dict.fromkeys(["DistributedType"], _T + "distributed"),
     **dict.fromkeys(["PartialState", "AcceleratorState"], _T + "partial_state"),
     **dict.fromkeys(["GeneralTracker", "filter_trackers"], _T + "trackers"),
     **dict.fromkeys(["concatenate", "wait_for_everyone"], _T + "ops"),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbaccel.core import parallelism_settings
 from nbaccel.training.accelerator.parts import AcceleratorParts
-from nbaccel.training.process import ProcessState
+from nbaccel.training.distributed import ProcessState
 
 if TYPE_CHECKING:
     import torch

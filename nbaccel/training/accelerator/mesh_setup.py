@@ -6,7 +6,7 @@ A config given, or one the launch asked for (``ACCELERATE_USE_PARALLELISM_CONFIG
 --parallelism-config-*``), is checked first: sizes that do not make the number of processes,
 and context parallelism where torch cannot run it (CPU), are refused naming the values.
 
->>> from nbaccel.training.process import detect_state
+>>> from nbaccel.training.distributed import detect_state
 >>> build(None, detect_state(cpu=True))
 (None, None)
 """
@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING
 
 from nbaccel.core.parallelism_settings import USE_ENV, context_parallel_problem
-from nbaccel.training.process import ProcessState
+from nbaccel.training.distributed import ProcessState
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

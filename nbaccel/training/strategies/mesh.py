@@ -45,10 +45,10 @@ from torch.distributed.tensor.parallel import (
 
 from nbaccel.core.parallelism_settings import divisors
 from nbaccel.training.accumulation import GradientState
+from nbaccel.training.distributed import DistributedType, ProcessState
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
 from nbaccel.training.parallelism_config import ParallelismConfig
 from nbaccel.training.precision import Precision
-from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.fsdp import FSDPStrategy
 
 _FULL = StateDictOptions(full_state_dict=True)
