@@ -233,6 +233,20 @@ def _train_all(folder: str) -> dict:
         }
         dist.barrier()
     port = Path(folder) / "nd_parallel"
+    if dist.get_rank() == 0:  # a config-built tiny Llama, as from_pretrained would find one
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tiny = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(tiny).save_pretrained(Path(folder) / "tiny-llama")
+    dist.barrier()
     out["nd_parallel"] = nd_parallel_train(
         argparse.Namespace(
             dp_replicate_size=2,
@@ -251,19 +265,7 @@ def _train_all(folder: str) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     folder = tmp_path_factory.mktemp("nd")
-    tiny = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny).save_pretrained(folder / "tiny-llama")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         results = nbaccel.notebook_launcher(
@@ -336,6 +338,28 @@ def test_sizes_that_do_not_make_the_world_say_what_fits():
     assert "dp_shard_size=2" in message  # what would fit with tp_size=2
     assert "tp_size=3 must divide" in world_mismatch({"tp": 3}, 4)
     assert world_mismatch({"dp_shard": 2, "tp": 2}, 4) is None
+
+
+def test_a_tp_size_that_does_not_split_the_model_says_what_would():
+    import types
+
+    from nbaccel.training.strategies.mesh import _check_divides, _check_heads
+
+    llama = Block()  # with a transformers-style config: the sizes a tp group splits
+    llama.config = types.SimpleNamespace(
+        num_attention_heads=4, num_key_value_heads=2, hidden_size=32
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"tp_size=3 does not divide the model's num_attention_heads \(4\); a tp_size of 2 or 4 would",
+    ):
+        _check_heads(llama, 3)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\); a tp_size of 2 would"):
+        _check_heads(llama, 4)
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(ValueError, match=r"tp_size=3 does not divide up's out_features \(64\)"):
+        _check_divides("up", Block().up, ColwiseParallel(), 3)
 
 
 def test_launch_config_carries_the_sizes_and_refuses_a_bad_world(tmp_path):
@@ -462,7 +486,11 @@ def test_accelerates_nd_parallel_example_runs(trained):
     assert all(len(ls) == 3 and all(math.isfinite(x) for x in ls) for ls in losses)
     assert losses[0] == losses[1] == losses[2] == losses[3]  # the dp_cp-averaged loss
     assert (folder / "nd_parallel" / "checkpoint-2").is_dir()
-    from transformers import AutoModelForCausalLM
+    import json
 
-    saved = AutoModelForCausalLM.from_pretrained(folder / "nd_parallel" / "model")
-    assert saved.config.architectures == ["LlamaForCausalLM"]
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "nd_parallel" / "model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    saved = load_file(str(folder / "nd_parallel" / "model" / "model.safetensors"))
+    assert saved["model.embed_tokens.weight"].shape == (64, 32)  # full, not a shard

@@ -7,7 +7,8 @@ transformers model loaded with ``tp_plan="auto"`` and the accelerator's mesh, or
 parallelized) keeps its split; any other model is split by the plan in
 ``ParallelismConfig(tp_handler=TorchTensorParallelConfig(plan=...))``. Every rank starts from rank
 0's weights. Full state dicts (``get_state_dict``, ``save_model``, ``save_state``) gather the
-``DTensor`` shards; loading them splits them again.
+``DTensor`` shards as the FSDP strategy's do, for a split model FSDP2 did not shard too;
+loading them splits them again.
 
 Example::
 
@@ -26,15 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -51,7 +44,6 @@ from nbaccel.training.parallelism_config import ParallelismConfig
 from nbaccel.training.precision import Precision
 from nbaccel.training.strategies.fsdp import FSDPStrategy
 
-_FULL = StateDictOptions(full_state_dict=True)
 # A plan's words (transformers' names for the ones its models use) -> torch's split.
 _STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
@@ -153,35 +145,9 @@ class MeshStrategy(FSDPStrategy):
             grad.mul_(scale)
         return total
 
-    # -- full state dicts: gathered from the shards of any split model -----------------------
-
-    def model_state_dict(self, module: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        if isinstance(module, FSDPModule):
-            return super().model_state_dict(module, unwrap)
-        return get_model_state_dict(module, options=_FULL)
-
-    def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
-        set_model_state_dict(module, state, options=_FULL)
-
-    def optimizer_state_dict(
-        self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer
-    ) -> dict[str, Any]:
-        if module is None:
-            return optimizer.state_dict()
-        if isinstance(module, FSDPModule):
-            return super().optimizer_state_dict(module, optimizer)
-        return get_optimizer_state_dict(module, optimizer, options=_FULL)
-
-    def load_optimizer_state_dict(
-        self,
-        module: torch.nn.Module | None,
-        optimizer: torch.optim.Optimizer,
-        state: dict[str, Any],
-    ) -> None:
-        if module is None:
-            optimizer.load_state_dict(state)
-            return
-        set_optimizer_state_dict(module, optimizer, state, options=_FULL)
+    def holds_shards(self, module: torch.nn.Module | None) -> bool:
+        # A split model holds DTensor shards whether or not FSDP2 sharded it further.
+        return module is not None and any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _fsdp_mesh(config: ParallelismConfig) -> DeviceMesh:
