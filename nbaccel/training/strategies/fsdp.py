@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -149,7 +149,7 @@ class FSDPStrategy(Strategy):
 
     # -- full state dicts (get_state_dict, save_model, FULL_STATE_DICT checkpoints) ----------
 
-    def holds_shards(self, module: torch.nn.Module | None) -> bool:
+    def holds_shards(self, module: torch.nn.Module | None) -> TypeGuard[torch.nn.Module]:
         """Whether ``module``'s full state is gathered from shards (torch's state-dict
         functions) rather than read as it is."""
         return isinstance(module, FSDPModule)

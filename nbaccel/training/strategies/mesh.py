@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,7 @@ class MeshStrategy(FSDPStrategy):
             grad.mul_(scale)
         return total
 
-    def holds_shards(self, module: torch.nn.Module | None) -> bool:
+    def holds_shards(self, module: torch.nn.Module | None) -> TypeGuard[torch.nn.Module]:
         # A split model holds DTensor shards whether or not FSDP2 sharded it further.
         return module is not None and any(isinstance(p, DTensor) for p in module.parameters())
 
