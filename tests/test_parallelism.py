@@ -179,6 +179,44 @@ def nd_parallel_train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
+def _llama_by_its_own_plan(path: str) -> dict:
+    """A config-built Llama split by its own ``tp_plan`` over dp_shard 2 × tp 2, two SGD steps;
+    rank 0 then trains the same model in its process alone on the same global batches."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from nbaccel import Accelerator
+
+    config = ParallelismConfig(dp_replicate_size=1, dp_shard_size=2, tp_size=2)
+    acc = Accelerator(parallelism_config=config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    split = sum(
+        isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names for p in model.parameters()
+    )
+    batches = [
+        torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(s)) for s in range(2)
+    ]
+    mine = slice(2 * acc.data_parallel_shard_rank, 2 * acc.data_parallel_shard_rank + 2)
+    for ids in batches:
+        acc.backward(model(input_ids=ids[mine], labels=ids[mine]).loss)
+        opt.step()
+        opt.zero_grad()
+    full = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
+    worst = 0.0
+    if dist.get_rank() == 0:
+        alone = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+        for ids in batches:
+            alone(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        want = alone.state_dict()
+        worst = max((full[k] - want[k]).abs().max().item() for k in full)
+    return {"split_parameters": split, "worst": worst}
+
+
 def _train_all(folder: str) -> dict:
     """On each rank: every configuration in turn; full weights, checkpoint round trips, the
     batches each rank saw."""
@@ -187,6 +225,21 @@ def _train_all(folder: str) -> dict:
     from nbaccel import Accelerator
 
     out: dict = {"from_launch": Accelerator().parallelism_config.describe()}
+    if dist.get_rank() == 0:  # a config-built tiny Llama, as from_pretrained would find one
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tiny = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(tiny).save_pretrained(Path(folder) / "tiny-llama")
+    dist.barrier()
+    out["llama"] = _llama_by_its_own_plan(str(Path(folder) / "tiny-llama"))
     for name, sizes in CONFIGS.items():
         plan = TorchTensorParallelConfig(plan=PLAN) if sizes["tp_size"] > 1 else None
         config = ParallelismConfig(**sizes, tp_handler=plan)
@@ -233,20 +286,6 @@ def _train_all(folder: str) -> dict:
         }
         dist.barrier()
     port = Path(folder) / "nd_parallel"
-    if dist.get_rank() == 0:  # a config-built tiny Llama, as from_pretrained would find one
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        tiny = LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-        torch.manual_seed(0)
-        LlamaForCausalLM(tiny).save_pretrained(Path(folder) / "tiny-llama")
-    dist.barrier()
     out["nd_parallel"] = nd_parallel_train(
         argparse.Namespace(
             dp_replicate_size=2,
@@ -494,3 +533,9 @@ def test_accelerates_nd_parallel_example_runs(trained):
     assert config["architectures"] == ["LlamaForCausalLM"]
     saved = load_file(str(folder / "nd_parallel" / "model" / "model.safetensors"))
     assert saved["model.embed_tokens.weight"].shape == (64, 32)  # full, not a shard
+
+
+def test_a_transformers_model_is_split_by_its_own_tp_plan(trained):
+    results, _, _ = trained
+    assert results[0]["llama"]["split_parameters"] > 0  # DTensors over the tp mesh
+    assert results[0]["llama"]["worst"] <= 1e-5  # the one-process weights
