@@ -418,6 +418,29 @@ def test_launch_config_carries_the_sizes_and_refuses_a_bad_world(tmp_path):
         )
 
 
+def test_nbaccel_launch_flags_carry_the_sizes_and_refuse_context_parallel_on_cpu(
+    tmp_path, monkeypatch, capsys
+):
+    from nbaccel.cli import launch as cli_launch
+    from nbaccel.cli.main import build_parser, main
+
+    monkeypatch.setenv("NBACCEL_CONFIG_FILE", str(tmp_path / "none.yaml"))
+    flags = ["--num_processes", "4", "--parallelism-config-dp-shard-size", "2"]
+    args = build_parser().parse_args(
+        ["launch", *flags, "--parallelism_config_tp_size", "2", "train.py"]
+    )
+    env = cli_launch.resolve_config(args).worker_env()
+    assert (env["PARALLELISM_CONFIG_DP_SHARD_SIZE"], env["PARALLELISM_CONFIG_TP_SIZE"]) == (
+        "2",
+        "2",
+    )
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a rank started')\n")
+    cp = ["--parallelism-config-cp-size", "2", "--parallelism-config-dp-shard-size", "2"]
+    assert main(["launch", "--num_processes", "4", *cp, str(script)]) != 0
+    assert "cp_size=2: context parallelism" in capsys.readouterr().err
+
+
 def test_the_config_panel_edits_and_saves_the_sizes(tmp_path):
     from nbaccel.core.hardware import Hardware
     from nbaccel.ui.config_panel import ConfigPanel, panel_text
