@@ -266,7 +266,7 @@ class Launch(concurrent.futures.Future[Any]):
         __tracebackhide__ = True
         for restart in range(1, self.plan.max_restarts + 1):
             try:
-                return self._attempt()
+                return self._attempt(restart - 1)
             except RankFailedError as exc:
                 if self._stopping.is_set():
                     raise
@@ -277,12 +277,13 @@ class Launch(concurrent.futures.Future[Any]):
                     file=sys.stderr,
                     flush=True,
                 )
-        return self._attempt()
+        return self._attempt(self.plan.max_restarts)
 
-    def _attempt(self) -> dict[int, bytes | None]:
-        """Start the planned ranks and follow them to the end; return their payloads."""
+    def _attempt(self, restart: int) -> dict[int, bytes | None]:
+        """Start the planned ranks (after ``restart`` restarts) and follow them to the end;
+        return their payloads."""
         __tracebackhide__ = True
-        life, self._first = self._first or self._lifecycle(), None
+        life, self._first = self._first or self._lifecycle(restart), None
         self.lifecycle = life
         try:
             relay = life.start()
@@ -295,10 +296,13 @@ class Launch(concurrent.futures.Future[Any]):
             n = len(self.plan.specs)
             raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
 
-    def _lifecycle(self) -> RankLifecycle:
-        """An attempt's ranks, with a fresh view."""
+    def _lifecycle(self, restart: int = 0) -> RankLifecycle:
+        """The ranks of the attempt after ``restart`` restarts, with a fresh view."""
         o = self.options
-        return RankLifecycle(self.plan, o.view if o.view is not None else choose_view(o.progress))
+        view = o.view if o.view is not None else choose_view(o.progress)
+        life = RankLifecycle(self.plan.attempt(restart), view)
+        life.state.attempt, life.state.attempts = restart + 1, self.plan.max_restarts + 1
+        return life
 
     def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
@@ -428,4 +432,6 @@ class Launch(concurrent.futures.Future[Any]):
         elapsed = (
             f", {self.state.elapsed(time.monotonic()):.1f} s" if self.state is not None else ""
         )
-        return f"<nbaccel.Launch {self.status}: {ranks}{elapsed}>"
+        state = self.state
+        attempt = f" ({state.attempt_text()})" if state is not None and state.attempts > 1 else ""
+        return f"<nbaccel.Launch {self.status}{attempt}: {ranks}{elapsed}>"

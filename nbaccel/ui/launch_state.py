@@ -380,6 +380,9 @@ class LaunchState:
     # ranks are starting. Set by whoever waits, read by the views.
     waiting_for: str | None = None
     waiting_since: float | None = None
+    # Which attempt of a launch with restarts this is, from 1, of how many at most
+    attempt: int = 1
+    attempts: int = 1
 
     def elapsed(self, now: float) -> float:
         """Seconds since the launch started, to ``now`` or to its end.
@@ -398,6 +401,14 @@ class LaunchState:
         """
         since = self.started_at if self.waiting_since is None else self.waiting_since
         return max(0.0, now - since)
+
+    def attempt_text(self) -> str:
+        """Which attempt the views show, for a launch that may restart its ranks.
+
+        >>> LaunchState(None, {}, attempt=2, attempts=3).attempt_text()
+        'attempt 2 of 3'
+        """
+        return f"attempt {self.attempt} of {self.attempts}"
 
     def log_path(self, rank: int, stream: str) -> str | None:
         """The file with every byte ``rank`` wrote to ``stream`` (None before its folder exists).

@@ -224,10 +224,10 @@ def banner(state: LaunchState) -> str:
     code), forkserver, 127.0.0.1:29500``
     """
     info = state.info
-    text = info.describe()
-    return text.replace(
+    text = info.describe().replace(
         f"strategy={info.strategy},", f"strategy={info.strategy} (unless set in code),", 1
     )
+    return f"{text}, {state.attempt_text()}" if state.attempts > 1 else text
 
 
 def settings_changed(state: LaunchState) -> str:
