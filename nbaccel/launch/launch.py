@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import queue
 import sys
 import threading
 import time
@@ -60,11 +61,14 @@ class RunJob:
         timeout: float | None,
         stopping: threading.Event,
         entry_file: str | None = None,
+        stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] | None = None,
     ) -> None:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
         self.entry_file = entry_file  # where a cluster's rank processes start (root_cause)
+        # Launch.stacks() of another thread: answered here, where the ranks' pipes are read
+        self.stack_requests = stack_requests or queue.SimpleQueue()
 
     def finished(self) -> bool:
         return all(rank.done for rank in self.state.ranks.values())
@@ -102,6 +106,10 @@ class RunJob:
 
     def check(self) -> None:
         self.group.notice_unreported()  # ranks ended under a fork server that hung
+        while not self.stack_requests.empty():
+            request = self.stack_requests.get_nowait()
+            if request.set_running_or_notify_cancel():
+                request.set_result(self.stacks(self.group.alive()))
         if self.relay.failures or self.stopping.is_set():
             self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
         self.group.poll_stop()
@@ -110,12 +118,17 @@ class RunJob:
         if self.relay.failures:  # the failure ends the launch; it is what to report
             return
         alive = self.group.alive()
-        stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
+        stacks = self.stacks(alive)
+        self.state.outcome = Outcome.TIMED_OUT
+        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
+
+    def stacks(self, alive: list[RankProcess]) -> dict[int, str]:
+        """Each of ``alive``'s Python stacks now, a cell's frames named as its traceback names
+        them (``Cell In[n]``) and nbaccel's own left out."""
+        return {
             k: with_cell_names(root_cause.without_plumbing(v, self.entry_file))
             for k, v in self.relay.stacks_now(alive).items()
         }
-        self.state.outcome = Outcome.TIMED_OUT
-        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
 
     def on_interrupt(self) -> None:
         raise KeyboardInterrupt
@@ -193,6 +206,9 @@ class Launch(concurrent.futures.Future[Any]):
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._first: RankLifecycle | None = None  # a background launch's, shown by start()
+        self._stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] = (
+            queue.SimpleQueue()
+        )
         self._error_traceback: TracebackType | None = None
 
     @property
@@ -310,7 +326,8 @@ class Launch(concurrent.futures.Future[Any]):
         try:
             cluster = self.plan.cluster
             entry_file = cluster.rank_entry_file if cluster is not None else None
-            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping, entry_file))
+            job = RunJob(relay, self.plan.timeout, self._stopping, entry_file, self._stack_requests)
+            loop.follow(relay, job)
             state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
         except BaseException:
             state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True
@@ -364,6 +381,27 @@ class Launch(concurrent.futures.Future[Any]):
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def stacks(self, timeout: float = 10.0) -> dict[int, str]:
+        """Each running rank's Python stack now, every thread (as a timeout reports them):
+        where a background launch is, without stopping it. ``{rank: text}``; ``{}`` once the
+        launch has ended.
+
+        Example::
+
+            launch = nbaccel.notebook_launcher(train, num_processes=2, block=False)
+            print(launch.stacks()[1])   # where rank 1 is now: its threads, innermost call last
+        """
+        request: concurrent.futures.Future[dict[int, str]] = concurrent.futures.Future()
+        self._stack_requests.put(request)  # answered by the launch's loop, which reads the pipes
+        deadline = time.monotonic() + timeout
+        while not request.done():
+            if self.done() or time.monotonic() > deadline:
+                request.cancel()
+                if not request.done() or request.cancelled():
+                    return {}
+            concurrent.futures.wait([request], AWAIT_POLL)
+        return request.result()
 
     def debug(self) -> int:
         """Open pdb, in the cell that calls this, on each rank of this background launch that
