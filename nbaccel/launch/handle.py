@@ -452,22 +452,26 @@ class Launch(concurrent.futures.Future[Any]):
 
     @property
     def status(self) -> str:
-        """'starting', 'running', or how it ended: 'finished', 'failed', 'interrupted' (also
-        after ``stop()``), 'timed out'."""
+        """'starting', 'running', 'paused' (a rank waits in ``breakpoint()``/``input()``: see
+        ``debug()``), or how it ended: 'finished', 'failed', 'interrupted' (also after
+        ``stop()``), 'timed out'."""
         state = self.state
         if self.done():
             return str(state.outcome if state is not None and state.outcome else Outcome.FAILED)
+        if state is not None and any(r.status_text == "paused" for r in state.ranks.values()):
+            return "paused"
         if state is not None and any(r.status != Status.STARTING for r in state.ranks.values()):
             return "running"
         return "starting"
 
     @property
     def ranks(self) -> dict[int, str]:
-        """Each rank's status now ('starting', 'running', 'finished', 'failed', 'stopped')."""
+        """Each rank's status now ('starting', 'running', 'paused', 'finished', 'failed',
+        'stopped'), as the dashboard's status column says it."""
         state = self.state
         if state is None:
             return {s.rank: str(Status.STARTING) for s in self.plan.specs}
-        return {rank: str(s.status) for rank, s in sorted(state.ranks.items())}
+        return {rank: s.status_text for rank, s in sorted(state.ranks.items())}
 
     def metrics(self, rank: int = 0) -> list[dict[str, float]]:
         """What ``rank`` logged so far with ``nbaccel.log``/``Accelerator.log``, as samples:

@@ -180,6 +180,17 @@ class RankState:
         """
         return FINISHED if self.status == RUNNING and self.ended_at is not None else self.status
 
+    @property
+    def status_text(self) -> str:
+        """The status column's word: :attr:`shown_status`, or ``paused`` while a running rank
+        waits in ``breakpoint()``/``input()`` for a person (it is not running meanwhile).
+
+        >>> r = RankState(0); r.move(RUNNING); r.paused = "breakpoint() at Cell In[4], line 9"
+        >>> r.status_text
+        'paused'
+        """
+        return "paused" if self.paused and self.shown_status == RUNNING else str(self.shown_status)
+
     def move(self, status: RankStatus, now: float | None = None) -> None:
         """Set the rank's status: the one place it changes. An end (finished, failed, stopped)
         stamps ``ended_at``; a move back to running (a new ``%ranks`` cell) clears it. A move

@@ -256,7 +256,7 @@ def _rows(state: LaunchState, now: float) -> tuple[list[str], list[list[str]]]:
     header += ["memory"] * with_memory + ["elapsed"] + ["metrics"] * with_metrics
     rows = []
     for rank in ranks:
-        status = str(rank.shown_status) + compiling_note(rank, now)
+        status = rank.status_text + compiling_note(rank, now)
         status += f" ({STRAGGLER_MARK})" if rank.rank in slow else ""
         status += f": {rank.error_line}" if rank.error_line else ""
         row = [str(rank.rank), status]

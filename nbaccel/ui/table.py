@@ -96,7 +96,7 @@ def row_html(
     )
     cells = [
         f"rank {rank.rank}",
-        f"<span style='color:{colour};font-weight:600'>{rank.shown_status}</span>"
+        f"<span style='color:{colour};font-weight:600'>{rank.status_text}</span>"
         f"{html.escape(compiling_note(rank, now))}{mark}",
         html.escape(format_count(rank)),
         meter,
