@@ -56,6 +56,10 @@ def test_launch_debug_opens_a_paused_ranks_pdb_in_the_calling_cell(kernel):
     assert started.error is None, started.error_text
     assert "rank 1 paused in breakpoint() at Cell In[" in started.stdout
     assert "run launch.debug() in a cell to debug it" in started.stdout
+    shown = kernel.execute("print(repr(launch))")  # paused, not "running", says the handle
+    assert shown.stdout.startswith("<nbaccel.Launch paused: rank 0 ") and (
+        "rank 1 paused," in shown.stdout
+    ), shown.stdout
     kernel.execute("time.sleep(4)")  # past the launch's timeout: a paused launch does not time out
     answer, prompts = typed("p values", "c")
     served = kernel.execute("launch.debug()", answer=answer)

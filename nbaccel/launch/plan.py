@@ -41,6 +41,8 @@ from nbaccel.launch.state import DEFAULT_LINE_PREFIX, LaunchInfo
 __all__ = ["UNSET", "LaunchOptions", "LaunchPlan", "check_start_method", "resolve_plan"]
 
 DEFAULTS = LaunchOptions()  # notebook_launcher's defaults
+# How many times torch elastic has restarted the workers; every rank of an attempt reads it
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,22 @@ class LaunchPlan:
     preload: tuple[str, ...] = ()  # modules the fork server imports once for every rank
     # Where the ranks run when not here (its make_group starts them), e.g. cluster.RayCluster
     cluster: Cluster | None = None
+
+    def attempt(self, restart: int) -> LaunchPlan:
+        """The plan of the attempt after ``restart`` restarts (0: the first): each rank's
+        environment says which it is, as torch elastic's workers' does, so a function can tell
+        a restart from a first run (``TORCHELASTIC_RESTART_COUNT``, and
+        ``TORCHELASTIC_MAX_RESTARTS``).
+
+        >>> plan = resolve_plan(print, (), {}, LaunchOptions(num_processes=2, max_restarts=2))
+        >>> [s.env["TORCHELASTIC_RESTART_COUNT"] for s in plan.attempt(1).specs]
+        ['1', '1']
+        >>> plan.attempt(1).specs[0].env["TORCHELASTIC_MAX_RESTARTS"]
+        '2'
+        """
+        marks = {RESTART_COUNT: str(restart), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
+        specs = [dataclasses.replace(s, env={**s.env, **marks}) for s in self.specs]
+        return dataclasses.replace(self, specs=specs)
 
 
 def resolve_plan(

@@ -225,10 +225,10 @@ def banner(state: LaunchState) -> str:
     code), forkserver, 127.0.0.1:29500``
     """
     info = state.info
-    text = info.describe()
-    return text.replace(
+    text = info.describe().replace(
         f"strategy={info.strategy},", f"strategy={info.strategy} (unless set in code),", 1
     )
+    return f"{text}, {state.attempt_text()}" if state.attempts > 1 else text
 
 
 def settings_changed(state: LaunchState) -> str:
@@ -265,7 +265,7 @@ def _rows(state: LaunchState, now: float) -> tuple[list[str], list[list[str]]]:
     header += ["memory"] * with_memory + ["elapsed"] + ["metrics"] * with_metrics
     rows = []
     for rank in ranks:
-        status = str(rank.shown_status) + compiling_note(rank, now)
+        status = rank.status_text + compiling_note(rank, now)
         status += f" ({STRAGGLER_MARK})" if rank.rank in slow else ""
         status += f": {rank.error_line}" if rank.error_line else ""
         row = [str(rank.rank)] + [role(rank) or "-"] * with_role + [status]

@@ -66,6 +66,8 @@ def header_html(state: LaunchState, now: float) -> str:
         ("grad. accumulation", accumulation),
         ("elapsed", format_seconds(state.elapsed(now))),
     ]
+    if state.attempts > 1:  # a launch with restarts: which one this view is
+        items.insert(0, ("attempt", f"{state.attempt} of {state.attempts}"))
     cells = " · ".join(f"{k} <b>{html.escape(str(v))}</b>" for k, v in items)
     if waiting:  # the first seconds of a launch: say what they go to, the clock ticking
         cells += f" · <span class='nbaccel-waiting'>waiting for {html.escape(waiting)}</span>"
@@ -102,7 +104,7 @@ def row_html(
     cells = [
         f"rank {rank.rank}"
         + (f" <span class='nbaccel-role'>· {html.escape(place)}</span>" if place else ""),
-        f"<span style='color:{colour};font-weight:600'>{rank.shown_status}</span>"
+        f"<span style='color:{colour};font-weight:600'>{rank.status_text}</span>"
         f"{html.escape(compiling_note(rank, now))}{mark}",
         html.escape(format_count(rank)),
         meter,
