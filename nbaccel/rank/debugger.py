@@ -36,6 +36,7 @@ import contextlib
 import io
 import os
 import pdb
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -213,6 +214,9 @@ class Console:
             kind, *rest = self._conn.recv()
         except (OSError, EOFError):
             raise EOFError("the kernel has gone") from None
+        except KeyboardInterrupt:
+            self._stopped_by_launcher()
+            raise
         if kind == "line":
             return str(rest[0])
         if kind == "unavailable":
@@ -237,13 +241,30 @@ class Console:
         conn = self._conn
         if conn is None:
             return
-        # KeyboardInterrupt: the stop may come as SIGINT (nbaccel launch's agent forwards it).
-        with contextlib.suppress(OSError, ValueError, EOFError, KeyboardInterrupt):
-            self._send(("quit",))
-            while True:
-                conn.recv()  # until the kernel stops this rank, or closes (then pdb's BdbQuit)
+        try:
+            with contextlib.suppress(OSError, ValueError, EOFError):
+                self._send(("quit",))
+                while True:
+                    conn.recv()  # until the kernel stops this rank, or lets it go (%%ranks)
+        except KeyboardInterrupt:
+            self._stopped_by_launcher()  # the stop may come as SIGINT (nbaccel launch)
         self._conn = None
         conn.close()
+
+    def _stopped_by_launcher(self) -> None:
+        """SIGINT while a rank of ``nbaccel launch`` waits at its prompt: the launcher is
+        stopping every rank (Ctrl-C at its terminal, or q), and torch elastic forwards the
+        signal to each. The rank dies of it at once, as a rank without a prompt does: pdb
+        would take it for a Ctrl-C at its prompt and ask again, and the launch waited 30 s
+        for elastic's SIGKILL."""
+        if events.current_rank() is not None or not os.environ.get(ENV_ADDRESS):
+            return  # a notebook's rank: the kernel stops it its own way
+        with contextlib.suppress(Exception):
+            self._restore_streams()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 class _ConsoleStream(io.TextIOBase):
