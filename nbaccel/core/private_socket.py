@@ -29,12 +29,8 @@ import socket
 import struct
 import sys
 import tempfile
-from multiprocessing.connection import (
-    AuthenticationError,
-    Connection,
-    answer_challenge,
-    deliver_challenge,
-)
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 # Seconds a peer of this user has to authenticate; past them it is dropped (a stuck client must
 # not hold the rank or the launcher's terminal).
