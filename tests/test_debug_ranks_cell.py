@@ -11,10 +11,15 @@ pytestmark = pytest.mark.slow  # a real kernel
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ranks-tmp")
+    env = {"NBACCEL_VIEW": "text", "TMPDIR": str(tmp)}
+    with KernelSession(env=env, startup="import nbaccel, os, time") as k:
         cell = k.execute("%ranks start -n 2 --timeout 60  # gloo on CPU")
         assert cell.error is None, cell.error_text
+        # Nothing of nbaccel's in the temporary directory once the ranks run: a kernel shut
+        # down without `%ranks stop` left its nbaccel-ranks-* folder behind.
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("nbaccel-")] == []
         yield k
         k.execute("%ranks stop")
         assert k.leftovers() == []
