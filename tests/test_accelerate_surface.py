@@ -68,6 +68,7 @@ TOP_LEVEL = [
     "skip_first_batches",
     "synchronize_rng_states",
     "load_checkpoint_in_model",
+    "prepare_pippy",
     "is_rich_available",
     "notebook_launcher",
     "debug_launcher",
