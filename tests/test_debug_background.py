@@ -91,7 +91,7 @@ def test_stop_at_the_prompt_of_launch_debug_stops_the_launch_without_nbaccels_fr
 
     cell = kernel.execute("launch.debug()", answer=stop)
     assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
-    assert "the launch is stopping" in cell.error_text, cell.error_text
+    assert "the launch is stopped" in cell.error_text, cell.error_text
     # (IPython shows the frame that raised, launch.debug's, as for a blocking launch's Stop)
     text = cell.error_text
     assert "debugging.py" not in text and "kernelbase.py" not in text, text  # their frames

@@ -291,7 +291,8 @@ def launch(args: argparse.Namespace) -> int:
     except SignalException as exc:
         # The agent has already stopped the ranks; report how we were stopped.
         name = signal.Signals(exc.sigval).name
-        print(f"nbaccel launch: stopped by {name}; all ranks were stopped.", file=sys.stderr)
+        why = debugging.stop_reason or f"stopped by {name}"
+        print(f"nbaccel launch: {why}; all ranks were stopped.", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
         if subreaper:

@@ -71,12 +71,14 @@ class RunJob:
         self.stack_requests = stack_requests or queue.SimpleQueue()
 
     def finished(self) -> bool:
-        return all(rank.done for rank in self.state.ranks.values())
+        # A failed rank is done, but its copy for %debug follows its failure (until it exits)
+        return all(rank.done for rank in self.state.ranks.values()) and not self.relay.copying
 
     def on_reply(self, r: RankProcess) -> None:  # a launch has no command connections
         pass
 
     def on_exit(self, r: RankProcess, code: int | None) -> None:
+        self.relay.copying.discard(r.rank)  # what it sent is read (drained) by now
         rank = self.state.ranks[r.rank]
         rank.exitcode = code
         if r.rank not in self.relay.payloads or rank.ended_at is None:
@@ -428,11 +430,13 @@ class Launch(concurrent.futures.Future[Any]):
         if relay is None:
             return 0
         try:
-            return relay.debug.serve_here(on_quit=self._stopping.set)
+            # stop(), not only its request: the rank's connection stays open until it is
+            # stopped, so nothing of its code runs after q or Stop (see serve_here).
+            return relay.debug.serve_here(on_quit=self.stop)
         except KeyboardInterrupt:
             # The relay's frames, down to the kernel's input box, would only be noise here.
             raise KeyboardInterrupt(
-                "launch.debug() interrupted; the launch is stopping (launch.result() raises "
+                "launch.debug() interrupted; the launch is stopped (launch.result() raises "
                 "LaunchStoppedError)"
             ) from None
 
