@@ -43,6 +43,7 @@ _LAZY = {
     "Accelerator": "nbaccel.training.accelerator",
     "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",
     "DeepSpeedPlugin": "nbaccel.training.deepspeed_plugin",
+    "ParallelismConfig": "nbaccel.training.parallelism_config",
     "set_seed": "nbaccel.training.rng",
     # Accelerate's top-level names (more under nbaccel.utils, its accelerate.utils).
     "PartialState": "nbaccel.training.partial_state",

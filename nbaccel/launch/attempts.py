@@ -6,6 +6,8 @@ runs this here or in its thread.
 
 from __future__ import annotations
 
+import concurrent.futures
+import queue
 import sys
 import threading
 import time
@@ -35,19 +37,24 @@ class RunJob:
         timeout: float | None,
         stopping: threading.Event,
         entry_file: str | None = None,
+        stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] | None = None,
     ) -> None:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
         self.entry_file = entry_file  # where a cluster's rank processes start (launch.failures)
+        # Launch.stacks() of another thread: answered here, where the ranks' pipes are read
+        self.stack_requests = stack_requests or queue.SimpleQueue()
 
     def finished(self) -> bool:
-        return all(rank.done for rank in self.state.ranks.values())
+        # A failed rank is done, but its copy for %debug follows its failure (until it exits)
+        return all(rank.done for rank in self.state.ranks.values()) and not self.relay.copying
 
     def on_reply(self, r: RankHandle) -> None:  # a launch has no command connections
         pass
 
     def on_exit(self, r: RankHandle, code: int | None) -> None:
+        self.relay.copying.discard(r.rank)  # what it sent is read (drained) by now
         rank = self.state.ranks[r.rank]
         rank.exitcode = code
         if r.rank not in self.relay.payloads or rank.ended_at is None:
@@ -78,6 +85,10 @@ class RunJob:
 
     def check(self) -> None:
         self.group.notice_unreported()  # ranks ended under a fork server that hung
+        while not self.stack_requests.empty():
+            request = self.stack_requests.get_nowait()
+            if request.set_running_or_notify_cancel():
+                request.set_result(self.stacks(self.group.alive()))
         if self.relay.failures or self.stopping.is_set():
             self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
         self.group.poll_stop()
@@ -86,12 +97,17 @@ class RunJob:
         if self.relay.failures:  # the failure ends the launch; it is what to report
             return
         alive = self.group.alive()
-        stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
+        stacks = self.stacks(alive)
+        self.state.outcome = Outcome.TIMED_OUT
+        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
+
+    def stacks(self, alive: list[RankHandle]) -> dict[int, str]:
+        """Each of ``alive``'s Python stacks now, a cell's frames named as its traceback names
+        them (``Cell In[n]``) and nbaccel's own left out."""
+        return {
             k: with_cell_names(failures.without_plumbing(v, self.entry_file))
             for k, v in self.relay.stacks_now(alive).items()
         }
-        self.state.outcome = Outcome.TIMED_OUT
-        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
 
     def on_interrupt(self) -> None:
         raise KeyboardInterrupt
@@ -111,6 +127,7 @@ class Attempts:
         options: LaunchOptions,
         make_view: Callable[[], View] | None,
         stopping: threading.Event,
+        stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]],
     ) -> None:
         if options.view is None and make_view is None:
             raise ValueError("a Launch needs a view: options.view or make_view")
@@ -120,6 +137,7 @@ class Attempts:
             make_view,
             stopping,
         )
+        self._stack_requests = stack_requests  # Launch.stacks(), answered by each attempt's RunJob
         # The current attempt's ranks, from their start to their teardown (None before)
         self.lifecycle: RankLifecycle | None = None
         self.first: RankLifecycle | None = None  # a background launch's, shown by start()
@@ -130,7 +148,7 @@ class Attempts:
         __tracebackhide__ = True
         for restart in range(1, self.plan.max_restarts + 1):
             try:
-                return self._attempt()
+                return self._attempt(restart - 1)
             except RankFailedError as exc:
                 if self._stopping.is_set():
                     raise
@@ -141,12 +159,13 @@ class Attempts:
                     file=sys.stderr,
                     flush=True,
                 )
-        return self._attempt()
+        return self._attempt(self.plan.max_restarts)
 
-    def _attempt(self) -> dict[int, bytes | None]:
-        """Start the planned ranks and follow them to the end; return their payloads."""
+    def _attempt(self, restart: int) -> dict[int, bytes | None]:
+        """Start the planned ranks (after ``restart`` restarts) and follow them to the end;
+        return their payloads."""
         __tracebackhide__ = True
-        life, self.first = self.first or self.new_lifecycle(), None
+        life, self.first = self.first or self.new_lifecycle(restart), None
         self.lifecycle = life
         try:
             relay = life.start()
@@ -159,13 +178,15 @@ class Attempts:
             n = len(self.plan.specs)
             raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
 
-    def new_lifecycle(self) -> RankLifecycle:
-        """An attempt's ranks, with a fresh view."""
+    def new_lifecycle(self, restart: int = 0) -> RankLifecycle:
+        """The ranks of the attempt after ``restart`` restarts, with a fresh view."""
         view = self.options.view
         if view is None:
             assert self._make_view is not None  # checked in __init__
             view = self._make_view()
-        return RankLifecycle(self.plan, view)
+        life = RankLifecycle(self.plan.attempt(restart), view)
+        life.state.attempt, life.state.attempts = restart + 1, self.plan.max_restarts + 1
+        return life
 
     def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
@@ -173,7 +194,8 @@ class Attempts:
         try:
             cluster = self.plan.cluster
             entry_file = cluster.rank_entry_file if cluster is not None else None
-            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping, entry_file))
+            job = RunJob(relay, self.plan.timeout, self._stopping, entry_file, self._stack_requests)
+            loop.follow(relay, job)
             state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
         except BaseException:
             state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True

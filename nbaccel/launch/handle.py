@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import queue
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -120,7 +121,11 @@ class Launch(concurrent.futures.Future[Any]):
         self.plan, self.options = plan, options
         self._busy = busy
         self._stopping = threading.Event()
-        self._attempts = Attempts(plan, options, make_view, self._stopping)
+        # Launch.stacks() of another thread: answered by the attempt's loop, which reads the pipes
+        self._stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] = (
+            queue.SimpleQueue()
+        )
+        self._attempts = Attempts(plan, options, make_view, self._stopping, self._stack_requests)
         self._thread: threading.Thread | None = None
         self._error_traceback: TracebackType | None = None
 
@@ -228,6 +233,27 @@ class Launch(concurrent.futures.Future[Any]):
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def stacks(self, timeout: float = 10.0) -> dict[int, str]:
+        """Each running rank's Python stack now, every thread (as a timeout reports them):
+        where a background launch is, without stopping it. ``{rank: text}``; ``{}`` once the
+        launch has ended.
+
+        Example::
+
+            launch = nbaccel.notebook_launcher(train, num_processes=2, block=False)
+            print(launch.stacks()[1])   # where rank 1 is now: its threads, innermost call last
+        """
+        request: concurrent.futures.Future[dict[int, str]] = concurrent.futures.Future()
+        self._stack_requests.put(request)  # answered by the launch's loop, which reads the pipes
+        deadline = time.monotonic() + timeout
+        while not request.done():
+            if self.done() or time.monotonic() > deadline:
+                request.cancel()
+                if not request.done() or request.cancelled():
+                    return {}
+            concurrent.futures.wait([request], AWAIT_POLL)
+        return request.result()
+
     def debug(self) -> int:
         """Open pdb, in the cell that calls this, on each rank of this background launch that
         waits in ``breakpoint()`` or ``input()`` (one after the other; the dashboard says
@@ -239,11 +265,13 @@ class Launch(concurrent.futures.Future[Any]):
         if relay is None:
             return 0
         try:
-            return relay.debug.serve_here(on_quit=self._stopping.set)
+            # stop(), not only its request: the rank's connection stays open until it is
+            # stopped, so nothing of its code runs after q or Stop (see serve_here).
+            return relay.debug.serve_here(on_quit=self.stop)
         except KeyboardInterrupt:
             # The relay's frames, down to the kernel's input box, would only be noise here.
             raise KeyboardInterrupt(
-                "launch.debug() interrupted; the launch is stopping (launch.result() raises "
+                "launch.debug() interrupted; the launch is stopped (launch.result() raises "
                 "LaunchStoppedError)"
             ) from None
 
@@ -263,22 +291,26 @@ class Launch(concurrent.futures.Future[Any]):
 
     @property
     def status(self) -> str:
-        """'starting', 'running', or how it ended: 'finished', 'failed', 'interrupted' (also
-        after ``stop()``), 'timed out'."""
+        """'starting', 'running', 'paused' (a rank waits in ``breakpoint()``/``input()``: see
+        ``debug()``), or how it ended: 'finished', 'failed', 'interrupted' (also after
+        ``stop()``), 'timed out'."""
         state = self.state
         if self.done():
             return str(state.outcome if state is not None and state.outcome else Outcome.FAILED)
+        if state is not None and any(r.status_text == "paused" for r in state.ranks.values()):
+            return "paused"
         if state is not None and any(r.status != Status.STARTING for r in state.ranks.values()):
             return "running"
         return "starting"
 
     @property
     def ranks(self) -> dict[int, str]:
-        """Each rank's status now ('starting', 'running', 'finished', 'failed', 'stopped')."""
+        """Each rank's status now ('starting', 'running', 'paused', 'finished', 'failed',
+        'stopped'), as the dashboard's status column says it."""
         state = self.state
         if state is None:
             return {s.rank: str(Status.STARTING) for s in self.plan.specs}
-        return {rank: str(s.status) for rank, s in sorted(state.ranks.items())}
+        return {rank: s.status_text for rank, s in sorted(state.ranks.items())}
 
     def results(self, timeout: float | None = None) -> dict[int, Any]:
         """The ranks' return values by rank once the launch has ended (ipyparallel's results
@@ -321,4 +353,6 @@ class Launch(concurrent.futures.Future[Any]):
         elapsed = (
             f", {self.state.elapsed(time.monotonic()):.1f} s" if self.state is not None else ""
         )
-        return f"<nbaccel.Launch {self.status}: {ranks}{elapsed}>"
+        state = self.state
+        attempt = f" ({state.attempt_text()})" if state is not None and state.attempts > 1 else ""
+        return f"<nbaccel.Launch {self.status}{attempt}: {ranks}{elapsed}>"
