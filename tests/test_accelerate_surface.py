@@ -48,7 +48,6 @@ EXCLUDED = {
         "delayed_fp8_autocast",
     ],
     "LOMO optimizers (the `lomo-optim` package)": ["lomo_backward"],
-    "big-model inference (device_map dispatch across devices)": ["verify_device_map"],
 }
 EXCLUDED_NAMES = {name for names in EXCLUDED.values() for name in names}
 
@@ -71,6 +70,14 @@ TOP_LEVEL = [
     "is_rich_available",
     "notebook_launcher",
     "debug_launcher",
+    # Big-model loading and dispatch (accelerate.big_modeling); tests/test_big_modeling.py.
+    "init_empty_weights",
+    "init_on_device",
+    "infer_auto_device_map",
+    "dispatch_model",
+    "load_checkpoint_and_dispatch",
+    "cpu_offload",
+    "disk_offload",
 ]
 UTILS = [
     "DistributedType",
@@ -114,6 +121,18 @@ UTILS = [
     "is_wandb_available",
     "DummyOptim",
     "DummyScheduler",
+    "compute_module_sizes",
+    "find_tied_parameters",
+    "get_balanced_memory",
+    "get_max_memory",
+    "infer_auto_device_map",
+    "check_device_map",
+    "offload_state_dict",
+    "offload_weight",
+    "load_offloaded_weight",
+    "save_offload_index",
+    "set_module_tensor_to_device",
+    "retie_parameters",
 ]
 
 
@@ -208,6 +227,27 @@ def test_utils_functions_take_accelerates_parameters(name):
 
     theirs = _params(inspect.unwrap(getattr(accelerate.utils, name)))
     _assert_same_parameters(theirs, _params(getattr(nbaccel.utils, name)), name)
+
+
+BIG_MODELING = [
+    "init_empty_weights",
+    "init_on_device",
+    "cpu_offload",
+    "disk_offload",
+    "dispatch_model",
+    "load_checkpoint_and_dispatch",
+]
+
+
+@pytest.mark.parametrize("name", BIG_MODELING)
+def test_big_modeling_functions_take_accelerates_parameters(name):
+    import accelerate.big_modeling
+
+    import nbaccel.big_modeling
+
+    theirs = _params(inspect.unwrap(getattr(accelerate.big_modeling, name)))
+    ours = _params(inspect.unwrap(getattr(nbaccel.big_modeling, name)))
+    _assert_same_parameters(theirs, ours, f"big_modeling.{name}")
 
 
 @pytest.mark.parametrize("name", TOP_LEVEL)

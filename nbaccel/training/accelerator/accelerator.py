@@ -361,6 +361,15 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
 
             model = accelerator.prepare_model(model)   # prepare() does this for modules
         """
+        if self.verify_device_map(model):
+            if self.state.distributed:
+                raise ValueError(
+                    "prepare(): this model was dispatched over several devices by a device map "
+                    f"(hf_device_map: {model.hf_device_map}); it cannot be trained on "
+                    f"{self.num_processes} processes. Load it whole on each rank, or launch one "
+                    "process."
+                )
+            device_placement = False  # its modules are where the device map put them
         setattr(model, _PREPARED, True)
         model = self._precision.convert_module(model)
         if evaluation_mode or device_placement is False and not self.state.distributed:
@@ -376,6 +385,16 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             wrapped = compiled
         self._registry.models.append(wrapped)
         return wrapped
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` (or a module in it) was dispatched by a device map of more than
+        one entry (``dispatch_model``, ``load_checkpoint_and_dispatch``).
+
+        Example::
+
+            accelerator.verify_device_map(model)   # False for a model loaded whole
+        """
+        return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
 
     def prepare_optimizer(
         self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None

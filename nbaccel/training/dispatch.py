@@ -1,0 +1,674 @@
+"""Big-model loading and dispatch at Accelerate's names (``accelerate.big_modeling``): build a
+model without memory (``init_empty_weights``), load a checkpoint into it following a device map,
+and run it with some submodules on the CPU or on disk, brought to the device that runs them for
+their forward only (``dispatch_model``, ``cpu_offload``, ``disk_offload``,
+``load_checkpoint_and_dispatch``). Device maps come from :mod:`nbaccel.training.device_map`,
+offload folders are :mod:`nbaccel.training.offload`'s (Accelerate's format).
+
+A device map is checked before anything moves or is written: every tensor has a device, every
+device is one this machine has, an offload folder is writable and large enough.
+
+>>> import torch
+>>> with init_empty_weights():
+...     model = torch.nn.Linear(4, 2)
+>>> model.weight.device
+device(type='meta')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from nbaccel.training.device_map import (
+    Device,
+    _entry,
+    check_device_map,
+    find_tied_parameters,
+    get_balanced_memory,
+    infer_auto_device_map,
+    named_tensors,
+)
+from nbaccel.training.offload import (
+    OffloadedWeightsLoader,
+    check_offload_folder,
+    extract_submodules_state_dict,
+    has_offload_index,
+    offload_state_dict,
+    offload_weight,
+    save_offload_index,
+)
+
+_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+_INCLUDE_BUFFERS_ENV = "ACCELERATE_INIT_INCLUDE_BUFFERS"  # Accelerate's variable, same meaning
+
+
+def _include_buffers(include_buffers: bool | None) -> bool:
+    if include_buffers is not None:
+        return include_buffers
+    return os.environ.get(_INCLUDE_BUFFERS_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def init_on_device(
+    device: torch.device | str, include_buffers: bool | None = None
+) -> Iterator[None]:
+    """Create the parameters of the modules built in the block on ``device`` (and their
+    buffers too with ``include_buffers``, or ``ACCELERATE_INIT_INCLUDE_BUFFERS=1``).
+
+    >>> with init_on_device("meta"):
+    ...     layer = torch.nn.Linear(1000, 1000)
+    >>> layer.weight.is_meta
+    True
+    """
+    if _include_buffers(include_buffers):
+        with torch.device(device):  # every tensor made in the block, buffers included
+            yield
+        return
+    register = nn.Module.register_parameter
+
+    def register_on_device(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        made = module._parameters[name]
+        # A parameter already there (tying: ``lm_head.weight = embed.weight``) stays the same
+        # object, so tied weights stay tied.
+        if made is not None and made.device != torch.device(device):
+            extra = dict(vars(made))  # e.g. transformers' _is_hf_initialized, kept
+            moved = type(made)(made.to(device), requires_grad=made.requires_grad)
+            vars(moved).update(extra)
+            module._parameters[name] = moved
+
+    nn.Module.register_parameter = register_on_device  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
+    """Build models in the block with no memory for their parameters (on the meta device), to
+    make a device map for them or load a checkpoint into them.
+
+    >>> with init_empty_weights():
+    ...     model = torch.nn.Sequential(*[torch.nn.Linear(10_000, 10_000) for _ in range(100)])
+    >>> sum(p.numel() for p in model.parameters())   # 10 billion numbers, no memory
+    10001000000
+    """
+    with init_on_device(torch.device("meta"), include_buffers=include_buffers):
+        yield
+
+
+def set_module_tensor_to_device(
+    module: nn.Module,
+    tensor_name: str,
+    device: Device,
+    value: torch.Tensor | None = None,
+    dtype: str | torch.dtype | None = None,
+    fp16_statistics: torch.Tensor | None = None,
+    tied_params_map: dict[int, dict[Any, torch.Tensor]] | None = None,
+    non_blocking: bool = False,
+    clear_cache: bool = True,
+) -> None:
+    """Put the parameter or buffer ``tensor_name`` of ``module`` on ``device``, with ``value``
+    if given (cast to ``dtype``, floating point only; without ``dtype`` to the dtype the model
+    has); parameters stay parameters of their class with their ``requires_grad``.
+    ``tied_params_map`` and ``clear_cache`` are accepted for Accelerate's signature;
+    ``fp16_statistics`` (bitsandbytes' 8-bit weights) is refused.
+
+    >>> layer = torch.nn.Linear(2, 1)
+    >>> set_module_tensor_to_device(layer, "bias", "cpu", value=torch.zeros(1))
+    >>> layer.bias
+    Parameter containing:
+    tensor([0.], requires_grad=True)
+    """
+    if fp16_statistics is not None:
+        raise ValueError(
+            f"{tensor_name}: fp16_statistics are bitsandbytes' 8-bit weights, which nbaccel "
+            "does not load; load the model in float16 or bfloat16 instead."
+        )
+    owner_name, _, name = tensor_name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    is_param = name in owner._parameters
+    old = owner._parameters.get(name) if is_param else owner._buffers.get(name)
+    if old is None and value is None:
+        raise ValueError(f"{tensor_name} is not a parameter or buffer of {type(module).__name__}.")
+    if old is not None and value is not None and old.shape != value.shape:
+        raise ValueError(
+            f"{tensor_name}: the checkpoint's tensor has shape {tuple(value.shape)}, the "
+            f"model's {tuple(old.shape)}; load a checkpoint of this model."
+        )
+    new = value if value is not None else old
+    assert new is not None
+    dtype = getattr(torch, dtype.replace("torch.", "")) if isinstance(dtype, str) else dtype
+    if dtype is None and old is not None and old.is_floating_point():
+        dtype = old.dtype  # a value loads in the model's dtype, as a plain load_state_dict
+    if dtype is not None and new.is_floating_point():
+        new = new.to(dtype)
+    if str(device) == "meta":
+        new = torch.empty_like(new, device="meta")
+    else:
+        new = new.to(device, non_blocking=non_blocking)
+    if is_param:
+        kind = type(old) if isinstance(old, nn.Parameter) else nn.Parameter
+        requires_grad = old.requires_grad if old is not None else new.is_floating_point()
+        owner._parameters[name] = kind(new, requires_grad=requires_grad)
+    else:
+        owner._buffers[name] = new
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks: an offloaded module's tensors are brought to its execution device for its forward.
+
+
+class _Loads:
+    """What one module's forward needs: its tensors named ``names`` (full names in the model),
+    read from ``weights`` onto ``device`` before it runs and put back on the meta device after
+    (``offloaded``); its inputs moved to ``device``."""
+
+    def __init__(
+        self, names: dict[str, str], device: Device, weights: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        self.names, self.device, self.weights = names, device, weights
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        for local, full in self.names.items():
+            assert self.weights is not None
+            set_module_tensor_to_device(module, local, self.device, value=self.weights[full])
+        return _to_device((args, kwargs), self.device)
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        for local in self.names:
+            set_module_tensor_to_device(module, local, "meta")
+        return output
+
+
+def _to_device(obj: Any, device: Device) -> Any:
+    from nbaccel.training.ops import send_to_device
+
+    if str(device) in ("cpu", "disk"):
+        device = "cpu"
+    return send_to_device(obj, torch.device(device) if isinstance(device, str) else device)
+
+
+def _available(device: Any) -> bool:
+    if device in ("cpu", "disk", "meta"):
+        return True
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda" or isinstance(device.index, int) and device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    if device.type == "mps":
+        return torch.backends.mps.is_available()
+    return False
+
+
+def _refuse_missing_devices(device_map: Mapping[str, Any], what: str) -> None:
+    missing = sorted({str(d) for d in device_map.values() if not _available(d)})
+    if missing:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        here = f"accelerators 0-{count - 1}, 'cpu'" if count else "'cpu'"
+        raise ValueError(
+            f"{what}: the device map sends modules to {', '.join(missing)}, which this machine "
+            f"does not have (it has {here} and 'disk'). Make the map here, e.g. "
+            "infer_auto_device_map(model, max_memory={'cpu': '2GB'}), or name those devices."
+        )
+
+
+def _attach(
+    model: nn.Module,
+    placement: dict[str, Device],
+    main_device: Device,
+    weights: Mapping[str, torch.Tensor] | None,
+    offloaded: set[str],
+    offload_buffers: bool,
+    preload_module_classes: list[str] | None,
+) -> None:
+    """Hook every module whose own tensors are offloaded (or, for ``preload_module_classes``,
+    whose subtree's are) so its forward finds them, and move the others to their device.
+    ``placement``: each tensor's device map entry's device; ``offloaded``: the devices whose
+    tensors stay out of the model between forwards."""
+    buffers = {n for n, _ in model.named_buffers()}
+    preload = set(preload_module_classes or [])
+    covered: set[str] = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if any(_below(module_name, c) for c in covered):
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        recurse = type(module).__name__ in preload
+        if recurse:
+            covered.add(module_name)
+        loads: dict[str, str] = {}
+        for local, tensor in named_tensors(module, recurse=recurse):
+            full = prefix + local
+            device = placement[full]
+            if device in offloaded and (offload_buffers or full not in buffers):
+                loads[local] = full
+                set_module_tensor_to_device(module, local, "meta")
+            elif tensor.device.type != "meta" and tensor.device != torch.device(device):
+                set_module_tensor_to_device(module, local, device)
+        if loads:
+            run_on = main_device
+            hooks = _Loads(loads, "cpu" if run_on == "disk" else run_on, weights)
+            module.register_forward_pre_hook(hooks.before, with_kwargs=True)
+            module.register_forward_hook(hooks.after, with_kwargs=True)
+
+
+def _hook_entries(model: nn.Module, device_map: Mapping[str, Device], main_device: Device) -> None:
+    """Where modules run on different accelerators, each device map entry's inputs are moved
+    to its device and the model's output back to where its input was (on the CPU alone,
+    nothing moves)."""
+    if {str(d) for d in device_map.values()} <= {"cpu", "disk", str(main_device)}:
+        return
+
+    def back_to_input(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)), None)
+        return output if first is None else _to_device(output, first.device)
+
+    for name, device in device_map.items():
+        if str(device) in ("cpu", "disk"):
+            continue
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:  # an entry for a parameter: its module's entry moves inputs
+            continue
+        module.register_forward_pre_hook(
+            lambda m, a, k, d=device: _to_device((a, k), d), with_kwargs=True
+        )
+    model.register_forward_hook(back_to_input, with_kwargs=True)
+
+
+def _below(name: str, ancestor: str) -> bool:
+    return name != ancestor and (not ancestor or name.startswith(ancestor + "."))
+
+
+def _placement(model: nn.Module, device_map: Mapping[str, Device]) -> dict[str, Device]:
+    """Each tensor's device under ``device_map``."""
+    found = {}
+    for name, _ in named_tensors(model, remove_duplicate=False):
+        entry = _entry(name, dict(device_map))
+        assert entry is not None  # check_device_map ran
+        found[name] = device_map[entry]
+    return found
+
+
+def _tied_weights(
+    model: nn.Module, weights: Mapping[str, torch.Tensor] | None
+) -> Mapping[str, torch.Tensor] | None:
+    """``weights`` answering every name of a tied parameter with the one stored under another
+    of its names (checkpoints store a tied weight once)."""
+    groups = find_tied_parameters(model)
+    if weights is None or not groups:
+        return weights
+    return _TiedNames(weights, groups)
+
+
+class _TiedNames(Mapping[str, torch.Tensor]):
+    def __init__(self, weights: Mapping[str, torch.Tensor], groups: list[list[str]]) -> None:
+        self.weights = weights
+        self.other = {name: group for group in groups for name in group}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.weights:
+            return self.weights[key]
+        for name in self.other.get(key, []):
+            if name in self.weights:
+                return self.weights[name]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def _refuse_moves(model: nn.Module) -> None:
+    """A model with offloaded modules cannot be moved: ``model.to(...)`` says so."""
+    to = model.to
+
+    def guarded_to(*args: Any, **kwargs: Any) -> nn.Module:
+        if any(p.is_meta for p in model.parameters()):
+            raise RuntimeError(
+                "This model has modules offloaded to the CPU or disk by dispatch_model; it cannot "
+                "be moved with .to(). Dispatch it again with another device map instead."
+            )
+        return to(*args, **kwargs)
+
+    model.to = guarded_to  # type: ignore[method-assign]
+
+
+def dispatch_model(
+    model: nn.Module,
+    device_map: dict[str, Device],
+    main_device: Device | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    offload_dir: str | os.PathLike[str] | None = None,
+    offload_index: dict[str, Any] | None = None,
+    offload_buffers: bool = False,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
+) -> nn.Module:
+    """Run ``model`` as ``device_map`` places it (Accelerate's ``dispatch_model``): modules on
+    an accelerator move there; those on ``"disk"`` (and ``"cpu"`` when an accelerator runs the
+    model) are written to ``offload_dir`` (unless it already holds them) or kept in CPU memory,
+    and brought to ``main_device`` for their forward only. The outputs are the undispatched
+    model's. ``model.hf_device_map`` records the map.
+
+    >>> import tempfile
+    >>> torch.manual_seed(0) and None
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> x = torch.randn(3, 4); expected = model(x)
+    >>> model = dispatch_model(model, {"0": "cpu", "1": "disk"}, offload_dir=tempfile.mkdtemp())
+    >>> model[1].weight.device, torch.equal(model(x), expected)
+    (device(type='meta'), True)
+    """
+    check_device_map(model, device_map)
+    _refuse_missing_devices(device_map, "dispatch_model")
+    devices = set(device_map.values())
+    if not (len(devices) > 1 or "disk" in devices or force_hooks):
+        model.to(next(iter(devices)))
+        model.hf_device_map = dict(device_map)  # type: ignore[assignment]
+        return model
+    if main_device is None:
+        on_devices = [d for d in device_map.values() if d not in ("cpu", "disk")]
+        main_device = on_devices[0] if on_devices else "cpu"
+    offloaded = {"disk"} if str(main_device) in ("cpu", "mps") else {"cpu", "disk"}
+    state = model.state_dict()
+    on_disk = [n for n, d in device_map.items() if d == "disk"]
+    on_cpu = [n for n, d in device_map.items() if d == "cpu"]
+    if "cpu" in offloaded and state_dict is None and on_cpu:
+        state_dict = {
+            k: v.to("cpu") for k, v in extract_submodules_state_dict(state, on_cpu).items()
+        }
+    save_folder = None
+    if on_disk and offload_index is None:
+        disk_state = extract_submodules_state_dict(state, on_disk)
+        if not has_offload_index(offload_dir):
+            if any(t.is_meta for t in disk_state.values()):
+                raise ValueError(
+                    "dispatch_model: modules for the disk have no weights (built under "
+                    "init_empty_weights) and the offload folder holds none; load them with "
+                    "load_checkpoint_and_dispatch(model, checkpoint, device_map, "
+                    "offload_folder=...)."
+                )
+            offload_state_dict(offload_dir, disk_state, what="dispatch_model")  # type: ignore[arg-type]
+        save_folder = offload_dir
+    weights: Mapping[str, torch.Tensor] | None = None
+    if state_dict is not None or save_folder is not None or offload_index is not None:
+        weights = OffloadedWeightsLoader(
+            state_dict=state_dict,
+            save_folder=save_folder,
+            index=offload_index,
+            device=main_device if offload_index is not None else None,
+        )
+    _attach(
+        model,
+        _placement(model, device_map),
+        main_device,
+        _tied_weights(model, weights),
+        offloaded,
+        offload_buffers,
+        preload_module_classes,
+    )
+    _hook_entries(model, device_map, main_device)
+    _refuse_moves(model)
+    model.hf_device_map = dict(device_map)  # type: ignore[assignment]
+    return model
+
+
+def cpu_offload(
+    model: nn.Module,
+    execution_device: Device | None = None,
+    offload_buffers: bool = False,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
+    """Keep one copy of the weights in CPU memory (``state_dict``, by default the model's)
+    and bring each module's to ``execution_device`` for its forward only.
+
+    >>> model = torch.nn.Linear(2, 1); x = torch.ones(1, 2); expected = model(x)
+    >>> torch.equal(cpu_offload(model, "cpu")(x), expected)
+    True
+    """
+    if execution_device is None:
+        execution_device = next(iter(model.parameters())).device
+    if state_dict is None:
+        state_dict = {k: v.to("cpu") for k, v in model.state_dict().items()}
+    _refuse_missing_devices({"": execution_device}, "cpu_offload")
+    placement = dict.fromkeys(
+        (n for n, _ in named_tensors(model, remove_duplicate=False)), "offloaded"
+    )
+    _attach(
+        model,
+        placement,  # type: ignore[arg-type]
+        execution_device,
+        _tied_weights(model, state_dict),
+        {"offloaded"},
+        offload_buffers,
+        preload_module_classes,
+    )
+    return model
+
+
+def disk_offload(
+    model: nn.Module,
+    offload_dir: str | os.PathLike[str],
+    execution_device: Device | None = None,
+    offload_buffers: bool = False,
+    preload_module_classes: list[str] | None = None,
+) -> nn.Module:
+    """Write the model's weights to the offload folder ``offload_dir`` (unless it already
+    holds them, e.g. written by Accelerate) and read each module's from there for its forward.
+
+    >>> import tempfile
+    >>> model = torch.nn.Linear(2, 1); x = torch.ones(1, 2); expected = model(x)
+    >>> torch.equal(disk_offload(model, tempfile.mkdtemp(), "cpu")(x), expected)
+    True
+    """
+    if not has_offload_index(offload_dir):
+        offload_state_dict(offload_dir, model.state_dict())
+    if execution_device is None:
+        execution_device = next(iter(model.parameters())).device
+        if execution_device.type == "meta":
+            execution_device = torch.device("cpu")
+    _refuse_missing_devices({"": execution_device}, "disk_offload")
+    placement = dict.fromkeys((n for n, _ in named_tensors(model, remove_duplicate=False)), "disk")
+    _attach(
+        model,
+        placement,  # type: ignore[arg-type]
+        execution_device,
+        _tied_weights(model, OffloadedWeightsLoader(save_folder=offload_dir)),
+        {"disk"},
+        offload_buffers,
+        preload_module_classes,
+    )
+    return model
+
+
+def load_into_device_map(
+    model: nn.Module,
+    states: Iterable[dict[str, torch.Tensor]],
+    device_map: dict[str, Device],
+    offload_folder: str | os.PathLike[str] | None,
+    dtype: str | torch.dtype | None,
+    offload_buffers: bool,
+    keep_in_fp32_modules: list[str] | None,
+    strict: bool,
+) -> None:
+    """Load ``states`` (a checkpoint's files, read one at a time) into ``model`` as
+    ``device_map`` places it: tensors for ``"disk"`` are written to ``offload_folder`` (the
+    model keeps a meta tensor), the others loaded onto their device, cast to ``dtype``.
+    Everything is checked (the map, its devices, the folder's room for the model's disk
+    tensors) before the first file is read. ``load_checkpoint_in_model(..., device_map=...)``
+    calls it."""
+    check_device_map(model, device_map)
+    _refuse_missing_devices(device_map, "load_checkpoint_in_model")
+    dtype = getattr(torch, dtype.replace("torch.", "")) if isinstance(dtype, str) else dtype
+    buffers = {n for n, _ in model.named_buffers()}
+    model_tensors = dict(named_tensors(model, remove_duplicate=False))
+    placement = {n: device_map[_entry(n, device_map) or ""] for n in model_tensors}
+    to_disk = {
+        n for n, d in placement.items() if d == "disk" and (offload_buffers or n not in buffers)
+    }
+    if to_disk:
+        check_offload_folder(
+            offload_folder,
+            sum(_loaded_size(model_tensors[n], dtype) for n in to_disk),
+            "load_checkpoint_in_model",
+        )
+    tied = find_tied_parameters(model)  # before loading replaces the parameters one by one
+    index: dict[str, Any] = {}
+    unexpected: list[str] = []
+    for state in states:
+        extra = sorted(set(state) - set(model_tensors))
+        if extra and strict:
+            raise RuntimeError(
+                f"load_checkpoint_in_model(strict=True): the checkpoint has {extra}, which "
+                f"{type(model).__name__} does not; load a checkpoint of this model, or pass "
+                "strict=False."
+            )
+        unexpected += extra
+        for name, value in state.items():
+            if name not in placement:
+                continue
+            wanted = dtype
+            if dtype == torch.float16 and any(
+                name == k or f"{k}." in name for k in keep_in_fp32_modules or []
+            ):
+                wanted = torch.float32
+            if name in to_disk:
+                if wanted is not None and value.is_floating_point():
+                    value = value.to(wanted)
+                set_module_tensor_to_device(model, name, "meta", dtype=value.dtype)
+                offload_weight(value, name, offload_folder, index=index)  # type: ignore[arg-type]
+            else:
+                device = placement[name]
+                set_module_tensor_to_device(
+                    model, name, "cpu" if device == "disk" else device, value=value, dtype=wanted
+                )
+    save_offload_index(index, offload_folder)  # type: ignore[arg-type]
+    retie_parameters(model, tied)
+    if unexpected:
+        warnings.warn(
+            f"The checkpoint holds weights {unexpected} that {type(model).__name__} does not "
+            "have; they were not loaded.",
+            stacklevel=3,
+        )
+
+
+def _loaded_size(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    if dtype is not None and tensor.is_floating_point():
+        return tensor.numel() * dtype.itemsize
+    return tensor.numel() * tensor.element_size()
+
+
+def retie_parameters(model: nn.Module, tied_params: list[list[str]]) -> None:
+    """Make each group of names in ``tied_params`` one parameter again (the first that is not
+    on the meta device), after loading replaced them one by one.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    >>> retie_parameters(model, [["0.weight", "1.weight"]])
+    >>> model[0].weight is model[1].weight
+    True
+    """
+    for group in tied_params:
+        params = [model.get_parameter(name) for name in group]
+        kept = next((p for p in params if not p.is_meta), None)
+        if kept is None:
+            continue
+        for name in group:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, kept)
+
+
+def load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device_map: str | dict[str, Device] | None = None,
+    max_memory: dict[int | str, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    offload_folder: str | os.PathLike[str] | None = None,
+    offload_buffers: bool = False,
+    dtype: str | torch.dtype | None = None,
+    offload_state_dict: bool | None = None,
+    skip_keys: str | list[str] | None = None,
+    preload_module_classes: list[str] | None = None,
+    force_hooks: bool = False,
+    strict: bool = False,
+    full_state_dict: bool = True,
+    broadcast_from_rank0: bool = False,
+) -> nn.Module:
+    """Load a checkpoint (a file, a shard index or a ``save_model`` folder) into ``model``,
+    typically built under :func:`init_empty_weights`, following ``device_map`` (a map, or
+    ``"auto"``/``"balanced"``/``"balanced_low_0"``/``"sequential"`` to make one for
+    ``max_memory``), then :func:`dispatch_model` it.
+
+    >>> import tempfile
+    >>> from nbaccel.training.model_files import save_model_files
+    >>> folder = tempfile.mkdtemp()
+    >>> save_model_files(torch.nn.Linear(4, 4).state_dict(), folder)
+    >>> with init_empty_weights():
+    ...     model = torch.nn.Linear(4, 4)
+    >>> model = load_checkpoint_and_dispatch(model, folder, device_map="auto",
+    ...                                      max_memory={"cpu": 10**6})
+    >>> model.hf_device_map
+    {'': 'cpu'}
+    """
+    if isinstance(device_map, str):
+        if device_map not in _STRATEGIES:
+            raise ValueError(
+                f"device_map={device_map!r} is not a device map; pass a dict or one of "
+                f"{', '.join(map(repr, _STRATEGIES))}."
+            )
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(
+                model,
+                max_memory=max_memory,
+                no_split_module_classes=no_split_module_classes,
+                dtype=dtype,
+                low_zero=device_map == "balanced_low_0",
+            )
+        device_map = infer_auto_device_map(
+            model,
+            max_memory=max_memory,
+            no_split_module_classes=no_split_module_classes,
+            dtype=dtype,
+            offload_buffers=offload_buffers,
+        )
+    from nbaccel.training.model_files import load_checkpoint_in_model
+
+    load_checkpoint_in_model(
+        model,
+        checkpoint,
+        device_map=device_map,
+        offload_folder=offload_folder,
+        dtype=dtype,
+        offload_state_dict=bool(offload_state_dict),
+        offload_buffers=offload_buffers,
+        strict=strict,
+        full_state_dict=full_state_dict,
+        broadcast_from_rank0=broadcast_from_rank0,
+    )
+    if device_map is None:
+        return model
+    return dispatch_model(
+        model,
+        device_map=dict(device_map),
+        offload_dir=offload_folder,
+        offload_buffers=offload_buffers,
+        skip_keys=skip_keys,
+        preload_module_classes=preload_module_classes,
+        force_hooks=force_hooks,
+    )
