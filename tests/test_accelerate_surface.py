@@ -38,15 +38,6 @@ EXCLUDED = {
         "deepspeed_engine_wrapped",
         "deepspeed_ulysses_dl_adapter",
     ],
-    "FP8 recipes of TransformerEngine / MS-AMP / custom torchao recipes; nbaccel's fp8 is "
-    "torchao's float8 training with its defaults": [
-        "fp8_recipe_handler",
-        "te_recipe_handler",
-        "msamp_recipe_handler",
-        "ao_recipe_handler",
-        "has_fp8_handler",
-        "delayed_fp8_autocast",
-    ],
     "LOMO optimizers (the `lomo-optim` package)": ["lomo_backward"],
 }
 EXCLUDED_NAMES = {name for names in EXCLUDED.values() for name in names}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nbaccel.training.model_files import parse_size
+from nbaccel.core.disk_space import parse_size
 
 Device = int | str | torch.device
 # Where a device map may send a submodule besides an accelerator's index.

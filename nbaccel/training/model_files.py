@@ -15,38 +15,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nbaccel.core.atomic import atomic_write
-from nbaccel.core.disk_space import OutOfSpaceError, swap_failed
+from nbaccel.core.disk_space import OutOfSpaceError, parse_size, swap_failed
 from nbaccel.training import model_folder
 from nbaccel.training.file_reading import safetensors_load, torch_load
+from nbaccel.training.placement import load_into_device_map
 from nbaccel.training.process import env_int
 from nbaccel.training.torch_files import atomic_save
 
 SAFE_WEIGHTS_NAME, WEIGHTS_NAME = "model.safetensors", "pytorch_model.bin"
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _ALIASES = "nbaccel_tied"  # safetensors metadata: {name: the stored name it is the same as}
-
-
-def parse_size(size: int | str, what: str = "max_shard_size") -> int:
-    """Bytes in ``size`` ("10GB", "200MiB" or an int); ``what`` names it in the error.
-
-    Example::
-
-        parse_size("200MB")   # 200_000_000
-    """
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B)\s*", size.upper())
-    if not match:
-        raise ValueError(f"{what}={size!r} is not a size; write e.g. '500MB' or '2GB'.")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def save_safetensors(
@@ -305,8 +288,6 @@ def load_checkpoint_in_model(
             "with FSDP after loading; 8-bit weights are bitsandbytes', which nbaccel does not run."
         )
     if device_map is not None:
-        from nbaccel.training.dispatch import load_into_device_map
-
         states = (_with_tied(model, read_state_file(f)) for f in checkpoint_files(checkpoint))
         load_into_device_map(  # one file in memory at a time
             model,

@@ -84,7 +84,11 @@ _LAZY = {
         ],
         _T + "device_map",
     ),
-    **dict.fromkeys(["retie_parameters", "set_module_tensor_to_device"], _T + "dispatch"),
+    **dict.fromkeys(
+        ["AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs"],
+        _T + "fp8_recipes",
+    ),
+    **dict.fromkeys(["retie_parameters", "set_module_tensor_to_device"], _T + "placement"),
     **dict.fromkeys(
         [
             "OffloadedWeightsLoader",

@@ -40,6 +40,7 @@ from nbaccel.training.accelerator.processes import ProcessControl
 from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
+from nbaccel.training.fp8_recipes import RECIPE_HANDLERS, AORecipeKwargs, check_recipes
 from nbaccel.training.options import LoggerType
 from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
@@ -168,12 +169,16 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             strategy = "fsdp"
         if deepspeed_plugin is not None:
             strategy = "deepspeed"
+        recipes = {slot: getattr(opts, slot) for slot in RECIPE_HANDLERS.values()}
+        check_recipes(recipes, opts.mixed_precision, strategy)
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
         self._strategy.ddp_handler = opts.ddp_handler
         # An engine that casts and scales itself (DeepSpeed) replaces autocast and the scaler.
         self._precision = self._strategy.adapt_precision(
-            select_precision(opts.mixed_precision, process.device, opts.scaler_handler)
+            select_precision(
+                opts.mixed_precision, process.device, opts.scaler_handler, opts.ao_recipe_handler
+            )
         )
         # A plugin built from the launch config (NBACCEL_FSDP_*/DEEPSPEED_*) is as real as one
         # passed in: Accelerate users read it back from here.
@@ -208,6 +213,12 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self.ddp_handler, self.scaler_handler = opts.ddp_handler, opts.scaler_handler
         self.init_handler, self.autocast_handler = opts.init_handler, opts.autocast_handler
         self.profile_handler = opts.profile_handler
+        for slot, handler in recipes.items():  # Accelerate's attributes, None where not given
+            setattr(self, slot, handler)
+        if self.fp8_enabled and self.ao_recipe_handler is None:
+            self.ao_recipe_handler = AORecipeKwargs()  # the recipe fp8 runs, as Accelerate's
+        self.has_fp8_handler = self.fp8_enabled or any(recipes.values())
+        self.delayed_fp8_autocast = False  # TransformerEngine's; nbaccel's fp8 is torchao's
         self.dynamo_backend = opts.dynamo_backend
         self.native_amp = self._precision.name in ("fp16", "bf16")
         self.has_lomo_optimizer = False
