@@ -330,7 +330,7 @@ def infer_auto_device_map(
         queue.insert(0, (name, module))
 
     if clean_result:
-        device_map = clean_device_map(device_map)
+        clean_device_map(device_map)  # in place
     _warn_buffers_fit_no_gpu(buffers, memory, used, gpus, offload_buffers)
     return device_map
 

@@ -85,7 +85,7 @@ def init_on_device(
             vars(moved).update(extra)
             module._parameters[name] = moved
 
-    nn.Module.register_parameter = register_on_device  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_on_device  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -447,31 +447,37 @@ def load_checkpoint_and_dispatch(
     >>> model.hf_device_map
     {'': 'cpu'}
     """
+    placed: dict[str, Device] | None = None
     if isinstance(device_map, str):
         if device_map not in _STRATEGIES:
             raise ValueError(
                 f"device_map={device_map!r} is not a device map; pass a dict or one of "
                 f"{', '.join(map(repr, _STRATEGIES))}."
             )
+        memory: Any = max_memory
         if device_map != "sequential":
-            max_memory = get_balanced_memory(
+            memory = get_balanced_memory(
                 model,
                 max_memory=max_memory,
                 no_split_module_classes=no_split_module_classes,
                 dtype=dtype,
                 low_zero=device_map == "balanced_low_0",
             )
-        device_map = infer_auto_device_map(
-            model,
-            max_memory=max_memory,
-            no_split_module_classes=no_split_module_classes,
-            dtype=dtype,
-            offload_buffers=offload_buffers,
+        placed = dict(
+            infer_auto_device_map(
+                model,
+                max_memory=memory,
+                no_split_module_classes=no_split_module_classes,
+                dtype=dtype,
+                offload_buffers=offload_buffers,
+            )
         )
+    elif device_map is not None:
+        placed = dict(device_map)
     load_checkpoint_in_model(
         model,
         checkpoint,
-        device_map=device_map,
+        device_map=placed,
         offload_folder=offload_folder,
         dtype=dtype,
         offload_state_dict=bool(offload_state_dict),
@@ -480,11 +486,11 @@ def load_checkpoint_and_dispatch(
         full_state_dict=full_state_dict,
         broadcast_from_rank0=broadcast_from_rank0,
     )
-    if device_map is None:
+    if placed is None:
         return model
     return dispatch_model(
         model,
-        device_map=dict(device_map),
+        device_map=placed,
         offload_dir=offload_folder,
         offload_buffers=offload_buffers,
         skip_keys=skip_keys,

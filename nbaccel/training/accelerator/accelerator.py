@@ -213,8 +213,13 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         self.ddp_handler, self.scaler_handler = opts.ddp_handler, opts.scaler_handler
         self.init_handler, self.autocast_handler = opts.init_handler, opts.autocast_handler
         self.profile_handler = opts.profile_handler
-        for slot, handler in recipes.items():  # Accelerate's attributes, None where not given
-            setattr(self, slot, handler)
+        # Accelerate's attributes, None where not given.
+        self.ao_recipe_handler: AORecipeKwargs | None = opts.ao_recipe_handler
+        self.te_recipe_handler, self.msamp_recipe_handler = (
+            recipes["te_recipe_handler"],
+            recipes["msamp_recipe_handler"],
+        )
+        self.fp8_recipe_handler = opts.fp8_recipe_handler
         if self.fp8_enabled and self.ao_recipe_handler is None:
             self.ao_recipe_handler = AORecipeKwargs()  # the recipe fp8 runs, as Accelerate's
         self.has_fp8_handler = self.fp8_enabled or any(recipes.values())
