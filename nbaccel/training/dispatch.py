@@ -364,19 +364,9 @@ def cpu_offload(
     if state_dict is None:
         state_dict = {k: v.to("cpu") for k, v in model.state_dict().items()}
     refuse_missing_devices({"": execution_device}, "cpu_offload")
-    placement = dict.fromkeys(
-        (n for n, _ in named_tensors(model, remove_duplicate=False)), "offloaded"
+    return _offload_whole(
+        model, execution_device, state_dict, offload_buffers, preload_module_classes
     )
-    _attach(
-        model,
-        placement,  # type: ignore[arg-type]
-        execution_device,
-        _tied_weights(model, state_dict),
-        {"offloaded"},
-        offload_buffers,
-        preload_module_classes,
-    )
-    return model
 
 
 def disk_offload(
@@ -401,13 +391,27 @@ def disk_offload(
         if execution_device.type == "meta":
             execution_device = torch.device("cpu")
     refuse_missing_devices({"": execution_device}, "disk_offload")
-    placement = dict.fromkeys((n for n, _ in named_tensors(model, remove_duplicate=False)), "disk")
+    weights = OffloadedWeightsLoader(save_folder=offload_dir)
+    return _offload_whole(model, execution_device, weights, offload_buffers, preload_module_classes)
+
+
+def _offload_whole(
+    model: nn.Module,
+    execution_device: Device,
+    weights: Mapping[str, torch.Tensor],
+    offload_buffers: bool,
+    preload_module_classes: list[str] | None,
+) -> nn.Module:
+    """Every tensor of ``model`` out of it between forwards, read from ``weights``."""
+    placement: dict[str, Device] = dict.fromkeys(
+        (n for n, _ in named_tensors(model, remove_duplicate=False)), "offloaded"
+    )
     _attach(
         model,
-        placement,  # type: ignore[arg-type]
+        placement,
         execution_device,
-        _tied_weights(model, OffloadedWeightsLoader(save_folder=offload_dir)),
-        {"disk"},
+        _tied_weights(model, weights),
+        {"offloaded"},
         offload_buffers,
         preload_module_classes,
     )
