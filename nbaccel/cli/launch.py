@@ -7,7 +7,7 @@ agent, rendezvous and restarts are torchrun's, not a copy. What nbaccel adds aro
 * every rank runs ``nbaccel.rank.script_entry SCRIPT ARGS`` which records a failing rank's exception
   in torch elastic's error file;
 * output is labelled ``[rankN] text`` like notebook launches (torch's tee + line prefix);
-* a failure ends with the notebook's summary (:class:`~nbaccel.launch.errors.RankFailedError`: the rank,
+* a failure ends with the notebook's summary (:class:`~nbaccel.core.errors.RankFailedError`: the rank,
   its exception and traceback) instead of torchrun's ChildFailedError dump, and exit status 1;
 * nothing outlives the launch (Linux): each rank runs below a guard (:mod:`nbaccel.rank.script_guard`)
   that stops what the script started, also when this process is SIGKILLed, and this process is
@@ -37,11 +37,11 @@ from typing import Any
 
 from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
 from nbaccel.core.config import LaunchConfig, third_party_env
+from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.launch import capacity
-from nbaccel.launch.errors import RankFailedError, UsageError
 from nbaccel.launch.failures import describe_exit, describe_raise
+from nbaccel.launch.state import DEFAULT_LINE_PREFIX
 from nbaccel.rank import containment
-from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX
 
 ENTRY_MODULE = "nbaccel.rank.script_entry"
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)

@@ -27,7 +27,7 @@ from nbaccel.core.config import (
     LaunchConfig,
     default_config_path,
 )
-from nbaccel.launch.errors import UsageError
+from nbaccel.core.errors import UsageError
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

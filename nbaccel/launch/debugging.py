@@ -31,7 +31,7 @@ from multiprocessing.connection import Client, Connection
 
 from nbaccel.core import events
 from nbaccel.core.local_traceback import cell_label
-from nbaccel.ui.launch_state import LaunchState
+from nbaccel.launch.state import LaunchState
 
 # Seconds the rank answered last keeps the notebook's keyboard while it runs between prompts
 # (another rank's question waits that long before it is asked).

@@ -35,7 +35,7 @@ from nbaccel.launch import capacity, payload, xla
 from nbaccel.launch.kernel_objects import kernel_containers_changed
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.protocols import Cluster
-from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
+from nbaccel.launch.state import DEFAULT_LINE_PREFIX, LaunchInfo
 
 __all__ = ["UNSET", "LaunchOptions", "LaunchPlan", "check_start_method", "resolve_plan"]
 

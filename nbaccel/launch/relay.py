@@ -5,7 +5,7 @@ readable. Output is cut into whole lines per rank and stream before it reaches t
 lines are never split or interleaved (a line past 64 KiB is cut short with a note; every byte
 goes to the rank's log file, ``launch/output_logs``). Events update the launch state and record
 results and failures; what to do about them (stop the others, time out) is the job's
-(``launch.launch``, ``persistent.cell``), not the relay's.
+(``launch.handle``, ``persistent.cell``), not the relay's.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from nbaccel.core import events, local_traceback
+from nbaccel.core.containment import LeftoverProcessesWarning, leftover_warning
+from nbaccel.core.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
-from nbaccel.launch import post_mortem, root_cause
-from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
+from nbaccel.launch import failures, post_mortem
 from nbaccel.launch.debugging import Debugging
-from nbaccel.launch.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.launch.failures import describe_raise
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.launch.output_logs import LaunchLogs
-from nbaccel.ui import View
-from nbaccel.ui.launch_state import LaunchState
-from nbaccel.ui.launch_state import RankStatus as Status
+from nbaccel.launch.protocols import View
+from nbaccel.launch.state import LaunchState
+from nbaccel.launch.state import RankStatus as Status
 
 STACK_WAIT = 2.0  # seconds to wait for stack dumps at a timeout
 TICK = 0.05  # s between looks at the pipes while a person types at a rank's prompt
@@ -231,22 +231,22 @@ class Relay:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""
         state = self.state.ranks[rank]
         state.move(Status.FAILED)
-        state.error_line = root_cause.cut(line)  # the error keeps the full text
+        state.error_line = failures.cut(line)  # the error keeps the full text
         self.failures.append((rank, error))
 
     def first_failure(self) -> RankFailedError:
         """The failure to raise: the root cause first (a real failure before the connection
         errors it caused in other ranks; a rank that had already left, where only those
         remain), the others named after it."""
-        (first_rank, first), *rest = root_cause.order(self.failures)
+        (first_rank, first), *rest = failures.order(self.failures)
         first.other_failures = tuple(
-            f"rank {k} {root_cause.cut(e.summary)}" for k, e in rest if k != first_rank
+            f"rank {k} {failures.cut(e.summary)}" for k, e in rest if k != first_rank
         )
-        first.cause = root_cause.cause(first_rank, first, self.ended)
+        first.cause = failures.cause(first_rank, first, self.ended)
         first.args = (first._message(),)
         if first.cause:
             state = self.state.ranks[first_rank]
-            state.error_line = root_cause.cut(
+            state.error_line = failures.cut(
                 f"{first.cause.split(' while ')[0]}: {state.error_line}"
             )
         return first

@@ -23,15 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
 from nbaccel.core.local_traceback import name_cell, with_cell_names
-from nbaccel.launch import loop, root_cause
-from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
+from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay
+from nbaccel.launch.state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.persistent.messages import Blocked, Command, Done, cell_filename
-from nbaccel.ui.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 
 COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
 INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT
@@ -347,7 +347,7 @@ def cell_stack(dump: str) -> str:
     blocks = dump.strip().split("\n\n")
     main = next((b for b in blocks if b.startswith("Current thread")), dump.strip())
     plumbing = ("nbaccel/persistent/serve.py", "nbaccel/rank/entry.py")
-    lines = root_cause.without_plumbing(main).splitlines()
+    lines = failures.without_plumbing(main).splitlines()
     kept = "\n".join(ln for ln in lines if not any(p in ln for p in plumbing))
     return with_cell_names(kept)  # "Cell In[12], line 2, in <module>", as the traceback says
 

@@ -24,14 +24,16 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from nbaccel.core import pickling
+from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import RankFailedError
 from nbaccel.core.local_traceback import is_nbaccel_file
-from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import RankFailedError
 from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.protocols import View
 from nbaccel.launch.relay import Relay, load_payload
+from nbaccel.launch.state import Outcome
 from nbaccel.persistent.cell import (
     CellError,
     CellTimeoutError,
@@ -44,9 +46,8 @@ from nbaccel.persistent.cell_view import CellView
 from nbaccel.persistent.messages import Command, Done
 from nbaccel.persistent.start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.persistent.status import StatusTable, rank_rows
-from nbaccel.ui import View, wants_widgets
+from nbaccel.ui import wants_widgets
 from nbaccel.ui.busy import BusyBeacon
-from nbaccel.ui.launch_state import Outcome
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 

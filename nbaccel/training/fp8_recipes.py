@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.core.capabilities import package_available
-from nbaccel.training.options import KwargsHandler
+from nbaccel.training.kwargs_handlers import KwargsHandler
 
 _ENV = "ACCELERATE_FP8_"  # Accelerate's variables, read the same way
 FP8_FORMATS = ("HYBRID", "E4M3", "E5M2")

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from nbaccel.core import xla_runtime
 from nbaccel.training import ops
-from nbaccel.training.accelerator.processes import ProcessControl
+from nbaccel.training.accelerator.collectives import ProcessControl
 from nbaccel.training.accumulation import GradientState
-from nbaccel.training.process import DistributedType, ProcessState, detect_state
+from nbaccel.training.distributed import DistributedType, ProcessState, detect_state
 
 _State = TypeVar("_State", bound="PartialState")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import html
 
+from nbaccel.launch.state import LaunchState, RankState
 from nbaccel.ui.formats import format_bytes, format_seconds, format_si
-from nbaccel.ui.launch_state import LaunchState, RankState
 
 TEXT_TAIL = 20  # output lines per rank in the plain-text summary
 SHOWN_LINES = 10  # a rank's last output lines shown in the HTML summary; earlier ones fold
@@ -101,7 +101,7 @@ def waiting_text(state: LaunchState, now: float) -> str:
     """What the launch waits for before its ranks run, with how long it has waited so far
     ("" once it waits for nothing).
 
-    >>> from nbaccel.ui.launch_state import LaunchState
+    >>> from nbaccel.launch.state import LaunchState
     >>> state = LaunchState(None, {}, waiting_for="fork server: importing torch._dynamo")
     >>> state.waiting_since = 100.0
     >>> waiting_text(state, now=101.4)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import html
 
+from nbaccel.launch.state import FAILED, LaunchState, RankState
 from nbaccel.ui.formats import format_seconds
-from nbaccel.ui.launch_state import FAILED, LaunchState, RankState
 from nbaccel.ui.summary import (
     CELL,
     STATUS_COLOURS,

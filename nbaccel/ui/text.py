@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 import time
 
+from nbaccel.launch.state import DEFAULT_LINE_PREFIX, LaunchState, line_label
 from nbaccel.ui.budget import OutputBudget
-from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX, LaunchState, line_label
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import (
     STRAGGLER_MARK,

@@ -35,16 +35,16 @@ from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECI
 from nbaccel.rank import settings_report
 from nbaccel.training import data, data_compat
 from nbaccel.training.accelerator import pickling as accelerator_pickling
-from nbaccel.training.accelerator.options import resolve_options
-from nbaccel.training.accelerator.processes import ProcessControl
+from nbaccel.training.accelerator.arguments import resolve_options
+from nbaccel.training.accelerator.collectives import ProcessControl
 from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
+from nbaccel.training.distributed import DistributedType, detect_state
 from nbaccel.training.fp8_recipes import RECIPE_HANDLERS, AORecipeKwargs, check_recipes
-from nbaccel.training.options import LoggerType
+from nbaccel.training.kwargs_handlers import LoggerType
 from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
-from nbaccel.training.process import DistributedType, detect_state
 from nbaccel.training.registry import PreparedObjects, Registry
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
 from nbaccel.training.strategies.prepared import PREPARED_MARK
@@ -53,7 +53,7 @@ from nbaccel.training.trackers import GeneralTracker, Tracking
 if TYPE_CHECKING:
     from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
     from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
-    from nbaccel.training.options import (
+    from nbaccel.training.kwargs_handlers import (
         DataLoaderConfiguration,
         GradientAccumulationPlugin,
         KwargsHandler,

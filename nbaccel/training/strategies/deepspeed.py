@@ -36,9 +36,9 @@ from nbaccel.training.deepspeed_plugin import (
     import_deepspeed,
     join_process_group,
 )
+from nbaccel.training.distributed import DistributedType, ProcessState
 from nbaccel.training.nvme_offload import check_nvme_offload
 from nbaccel.training.precision import Precision
-from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.base import Prepared, Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer
 

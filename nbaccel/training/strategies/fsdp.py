@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nbaccel.training.distributed import DistributedType, ProcessState
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
-from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.sharded_files import save_sharded_model, save_sharded_optimizer
 

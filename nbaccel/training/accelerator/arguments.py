@@ -18,7 +18,7 @@ from typing import Any
 
 from nbaccel.core.config import normalize_mixed_precision
 from nbaccel.training.fp8_recipes import RECIPE_HANDLERS
-from nbaccel.training.options import (
+from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -27,7 +27,7 @@ from nbaccel.training.options import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from nbaccel.training.random import check_rng_types
+from nbaccel.training.rng import check_rng_types
 
 _HANDLERS = {
     DistributedDataParallelKwargs: "ddp_handler",

@@ -7,7 +7,7 @@ group, which holds the fork server its ranks start from, and ``relay``, which re
 the view), and follows the ranks with the event loop (``launch.loop``) and a :class:`RunJob`,
 whose policies are a launch's: the first failure stops the other ranks; the timeout collects every
 live rank's stack and raises; ``.stop()`` stops them all. Whatever happens, every rank is reaped
-and what the ranks left running is swept (``launch.containment``) before the attempt returns.
+and what the ranks left running is swept (``core.containment``) before the attempt returns.
 
 Blocking, ``Launch(plan).run()`` is ``notebook_launcher``. In the background
 (``notebook_launcher(..., block=False)``) the same run happens in a thread, in the launching
@@ -19,34 +19,34 @@ awaitable, whose ``result()`` raises a failed launch's error without the library
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import sys
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
 from nbaccel.core import mp_internals, shared_tensors
-from nbaccel.core.local_traceback import with_cell_names
-from nbaccel.launch import loop, root_cause
-from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import (
+from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
 )
+from nbaccel.core.local_traceback import with_cell_names
+from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import DEFAULTS, LaunchPlan
-from nbaccel.launch.protocols import RankGroup
+from nbaccel.launch.protocols import RankGroup, View
 from nbaccel.launch.relay import Relay, load_payload
-from nbaccel.ui import choose_view
-from nbaccel.ui.busy import BusyBeacon
-from nbaccel.ui.launch_state import LaunchState, Outcome
-from nbaccel.ui.launch_state import RankStatus as Status
+from nbaccel.launch.state import LaunchState, Outcome
+from nbaccel.launch.state import RankStatus as Status
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 
@@ -64,7 +64,7 @@ class RunJob:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
-        self.entry_file = entry_file  # where a cluster's rank processes start (root_cause)
+        self.entry_file = entry_file  # where a cluster's rank processes start (launch.failures)
 
     def finished(self) -> bool:
         return all(rank.done for rank in self.state.ranks.values())
@@ -90,7 +90,7 @@ class RunJob:
             if code == 255 and self._server_gone(r):
                 # multiprocessing's stand-in status: the server that reports it is gone
                 what = "ended when its fork server died (its own exit status is unknown)"
-            crash = root_cause.without_plumbing(rank.diag.strip(), self.entry_file)
+            crash = failures.without_plumbing(rank.diag.strip(), self.entry_file)
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
 
@@ -111,7 +111,7 @@ class RunJob:
             return
         alive = self.group.alive()
         stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
-            k: with_cell_names(root_cause.without_plumbing(v, self.entry_file))
+            k: with_cell_names(failures.without_plumbing(v, self.entry_file))
             for k, v in self.relay.stacks_now(alive).items()
         }
         self.state.outcome = Outcome.TIMED_OUT
@@ -185,9 +185,21 @@ class Launch(concurrent.futures.Future[Any]):
     9.0
     """
 
-    def __init__(self, plan: LaunchPlan, options: LaunchOptions = DEFAULTS) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        options: LaunchOptions = DEFAULTS,
+        *,
+        make_view: Callable[[], View] | None = None,
+        busy: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        """``make_view`` makes each attempt's view when ``options.view`` is None; ``busy``
+        wraps a blocking run (the kernel shown busy): the launcher gives both, from ``ui``."""
         super().__init__()
+        if options.view is None and make_view is None:
+            raise ValueError("a Launch needs a view: options.view or make_view")
         self.plan, self.options = plan, options
+        self._make_view, self._busy = make_view, busy
         # The current attempt's ranks, from their start to their teardown (None before)
         self.lifecycle: RankLifecycle | None = None
         self._stopping = threading.Event()
@@ -217,7 +229,7 @@ class Launch(concurrent.futures.Future[Any]):
         """Run the launch to its end here; rank 0's value (every rank's with ``return_all``)."""
         __tracebackhide__ = True
         try:
-            with BusyBeacon():  # in a kernel's main thread: the cell is busy to the end
+            with self._busy():  # in a kernel's main thread: the cell is busy to the end
                 payloads = self._attempts()
             if self.options.return_all:
                 return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
@@ -297,8 +309,11 @@ class Launch(concurrent.futures.Future[Any]):
 
     def _lifecycle(self) -> RankLifecycle:
         """An attempt's ranks, with a fresh view."""
-        o = self.options
-        return RankLifecycle(self.plan, o.view if o.view is not None else choose_view(o.progress))
+        view = self.options.view
+        if view is None:
+            assert self._make_view is not None  # checked in __init__
+            view = self._make_view()
+        return RankLifecycle(self.plan, view)
 
     def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from nbaccel.launch.child_failed import fill_failures, rank_failed_class
+from nbaccel.core.child_failed import fill_failures, rank_failed_class
 
 
 class UsageError(Exception):
@@ -41,7 +41,7 @@ class RankFailedError(LaunchError):
             message.
 
     Where torch elastic's errors module is loaded (code that says ``except ChildFailedError``,
-    as written for Accelerate), the error is a ``ChildFailedError`` too (``launch.child_failed``).
+    as written for Accelerate), the error is a ``ChildFailedError`` too (``core.child_failed``).
 
     >>> import os, nbaccel
     >>> def train():

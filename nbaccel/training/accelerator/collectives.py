@@ -19,7 +19,7 @@ from nbaccel.training import ops
 from nbaccel.training.accumulation import GradientState
 
 if TYPE_CHECKING:
-    from nbaccel.training.process import DistributedType
+    from nbaccel.training.distributed import DistributedType
 
 
 class ProcessFacts:
