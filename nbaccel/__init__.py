@@ -43,6 +43,7 @@ _LAZY = {
     "Accelerator": "nbaccel.training.accelerator",
     "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",
     "DeepSpeedPlugin": "nbaccel.training.deepspeed_plugin",
+    "ParallelismConfig": "nbaccel.training.parallelism_config",
     "set_seed": "nbaccel.training.rng",
     # Accelerate's top-level names (more under nbaccel.utils, its accelerate.utils).
     "PartialState": "nbaccel.training.partial_state",
@@ -68,6 +69,9 @@ _LAZY = {
     "disk_offload": "nbaccel.training.dispatch",
     "infer_auto_device_map": "nbaccel.training.device_map",
     "big_modeling": "nbaccel.big_modeling",
+    "prepare_pippy": "nbaccel.training.pippy",
+    "prepare_pipeline": "nbaccel.training.pipeline_training",
+    "PipelineModel": "nbaccel.training.pipeline_training",
     "is_rich_available": "nbaccel.training.availability",
     "utils": "nbaccel.utils",
     "progress": "nbaccel.rank.reporting",

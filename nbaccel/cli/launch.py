@@ -35,7 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
+from nbaccel.core import (
+    deepspeed_settings,
+    fsdp_settings,
+    hardware,
+    parallelism_settings,
+    rendezvous,
+)
 from nbaccel.core.config import LaunchConfig, third_party_env
 from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.launch import capacity
@@ -66,6 +72,7 @@ def resolve_config(args: argparse.Namespace) -> LaunchConfig:
         max_restarts=args.max_restarts,
         **{k: getattr(args, k, None) for k in fsdp_settings.ENV},  # validated by LaunchConfig
         **{k: getattr(args, k, None) for k in deepspeed_settings.ENV},
+        **{k: getattr(args, k, None) for k in parallelism_settings.ENV},
     )
 
 
@@ -237,6 +244,7 @@ def launch(args: argparse.Namespace) -> int:
     world_size = nprocs * cfg.num_machines
     try:
         capacity.check_process_count(nprocs, world_size, not gpus, name="--num_processes")
+        parallelism_settings.check_launch(cfg.to_dict(), world_size, on_gpus=bool(gpus))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -283,7 +291,8 @@ def launch(args: argparse.Namespace) -> int:
     except SignalException as exc:
         # The agent has already stopped the ranks; report how we were stopped.
         name = signal.Signals(exc.sigval).name
-        print(f"nbaccel launch: stopped by {name}; all ranks were stopped.", file=sys.stderr)
+        why = debugging.stop_reason or f"stopped by {name}"
+        print(f"nbaccel launch: {why}; all ranks were stopped.", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
         if subreaper:

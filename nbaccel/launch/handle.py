@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import queue
 import sys
 import threading
 import time
@@ -60,19 +61,24 @@ class RunJob:
         timeout: float | None,
         stopping: threading.Event,
         entry_file: str | None = None,
+        stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] | None = None,
     ) -> None:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
         self.entry_file = entry_file  # where a cluster's rank processes start (launch.failures)
+        # Launch.stacks() of another thread: answered here, where the ranks' pipes are read
+        self.stack_requests = stack_requests or queue.SimpleQueue()
 
     def finished(self) -> bool:
-        return all(rank.done for rank in self.state.ranks.values())
+        # A failed rank is done, but its copy for %debug follows its failure (until it exits)
+        return all(rank.done for rank in self.state.ranks.values()) and not self.relay.copying
 
     def on_reply(self, r: RankProcess) -> None:  # a launch has no command connections
         pass
 
     def on_exit(self, r: RankProcess, code: int | None) -> None:
+        self.relay.copying.discard(r.rank)  # what it sent is read (drained) by now
         rank = self.state.ranks[r.rank]
         rank.exitcode = code
         if r.rank not in self.relay.payloads or rank.ended_at is None:
@@ -102,6 +108,10 @@ class RunJob:
 
     def check(self) -> None:
         self.group.notice_unreported()  # ranks ended under a fork server that hung
+        while not self.stack_requests.empty():
+            request = self.stack_requests.get_nowait()
+            if request.set_running_or_notify_cancel():
+                request.set_result(self.stacks(self.group.alive()))
         if self.relay.failures or self.stopping.is_set():
             self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
         self.group.poll_stop()
@@ -110,12 +120,17 @@ class RunJob:
         if self.relay.failures:  # the failure ends the launch; it is what to report
             return
         alive = self.group.alive()
-        stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
+        stacks = self.stacks(alive)
+        self.state.outcome = Outcome.TIMED_OUT
+        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
+
+    def stacks(self, alive: list[RankProcess]) -> dict[int, str]:
+        """Each of ``alive``'s Python stacks now, a cell's frames named as its traceback names
+        them (``Cell In[n]``) and nbaccel's own left out."""
+        return {
             k: with_cell_names(failures.without_plumbing(v, self.entry_file))
             for k, v in self.relay.stacks_now(alive).items()
         }
-        self.state.outcome = Outcome.TIMED_OUT
-        raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
 
     def on_interrupt(self) -> None:
         raise KeyboardInterrupt
@@ -205,6 +220,9 @@ class Launch(concurrent.futures.Future[Any]):
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._first: RankLifecycle | None = None  # a background launch's, shown by start()
+        self._stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] = (
+            queue.SimpleQueue()
+        )
         self._error_traceback: TracebackType | None = None
 
     @property
@@ -278,7 +296,7 @@ class Launch(concurrent.futures.Future[Any]):
         __tracebackhide__ = True
         for restart in range(1, self.plan.max_restarts + 1):
             try:
-                return self._attempt()
+                return self._attempt(restart - 1)
             except RankFailedError as exc:
                 if self._stopping.is_set():
                     raise
@@ -289,12 +307,13 @@ class Launch(concurrent.futures.Future[Any]):
                     file=sys.stderr,
                     flush=True,
                 )
-        return self._attempt()
+        return self._attempt(self.plan.max_restarts)
 
-    def _attempt(self) -> dict[int, bytes | None]:
-        """Start the planned ranks and follow them to the end; return their payloads."""
+    def _attempt(self, restart: int) -> dict[int, bytes | None]:
+        """Start the planned ranks (after ``restart`` restarts) and follow them to the end;
+        return their payloads."""
         __tracebackhide__ = True
-        life, self._first = self._first or self._lifecycle(), None
+        life, self._first = self._first or self._lifecycle(restart), None
         self.lifecycle = life
         try:
             relay = life.start()
@@ -307,13 +326,15 @@ class Launch(concurrent.futures.Future[Any]):
             n = len(self.plan.specs)
             raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
 
-    def _lifecycle(self) -> RankLifecycle:
-        """An attempt's ranks, with a fresh view."""
+    def _lifecycle(self, restart: int = 0) -> RankLifecycle:
+        """The ranks of the attempt after ``restart`` restarts, with a fresh view."""
         view = self.options.view
         if view is None:
             assert self._make_view is not None  # checked in __init__
             view = self._make_view()
-        return RankLifecycle(self.plan, view)
+        life = RankLifecycle(self.plan.attempt(restart), view)
+        life.state.attempt, life.state.attempts = restart + 1, self.plan.max_restarts + 1
+        return life
 
     def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
@@ -321,7 +342,8 @@ class Launch(concurrent.futures.Future[Any]):
         try:
             cluster = self.plan.cluster
             entry_file = cluster.rank_entry_file if cluster is not None else None
-            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping, entry_file))
+            job = RunJob(relay, self.plan.timeout, self._stopping, entry_file, self._stack_requests)
+            loop.follow(relay, job)
             state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
         except BaseException:
             state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True
@@ -376,6 +398,27 @@ class Launch(concurrent.futures.Future[Any]):
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def stacks(self, timeout: float = 10.0) -> dict[int, str]:
+        """Each running rank's Python stack now, every thread (as a timeout reports them):
+        where a background launch is, without stopping it. ``{rank: text}``; ``{}`` once the
+        launch has ended.
+
+        Example::
+
+            launch = nbaccel.notebook_launcher(train, num_processes=2, block=False)
+            print(launch.stacks()[1])   # where rank 1 is now: its threads, innermost call last
+        """
+        request: concurrent.futures.Future[dict[int, str]] = concurrent.futures.Future()
+        self._stack_requests.put(request)  # answered by the launch's loop, which reads the pipes
+        deadline = time.monotonic() + timeout
+        while not request.done():
+            if self.done() or time.monotonic() > deadline:
+                request.cancel()
+                if not request.done() or request.cancelled():
+                    return {}
+            concurrent.futures.wait([request], AWAIT_POLL)
+        return request.result()
+
     def debug(self) -> int:
         """Open pdb, in the cell that calls this, on each rank of this background launch that
         waits in ``breakpoint()`` or ``input()`` (one after the other; the dashboard says
@@ -387,11 +430,13 @@ class Launch(concurrent.futures.Future[Any]):
         if relay is None:
             return 0
         try:
-            return relay.debug.serve_here(on_quit=self._stopping.set)
+            # stop(), not only its request: the rank's connection stays open until it is
+            # stopped, so nothing of its code runs after q or Stop (see serve_here).
+            return relay.debug.serve_here(on_quit=self.stop)
         except KeyboardInterrupt:
             # The relay's frames, down to the kernel's input box, would only be noise here.
             raise KeyboardInterrupt(
-                "launch.debug() interrupted; the launch is stopping (launch.result() raises "
+                "launch.debug() interrupted; the launch is stopped (launch.result() raises "
                 "LaunchStoppedError)"
             ) from None
 
@@ -411,22 +456,26 @@ class Launch(concurrent.futures.Future[Any]):
 
     @property
     def status(self) -> str:
-        """'starting', 'running', or how it ended: 'finished', 'failed', 'interrupted' (also
-        after ``stop()``), 'timed out'."""
+        """'starting', 'running', 'paused' (a rank waits in ``breakpoint()``/``input()``: see
+        ``debug()``), or how it ended: 'finished', 'failed', 'interrupted' (also after
+        ``stop()``), 'timed out'."""
         state = self.state
         if self.done():
             return str(state.outcome if state is not None and state.outcome else Outcome.FAILED)
+        if state is not None and any(r.status_text == "paused" for r in state.ranks.values()):
+            return "paused"
         if state is not None and any(r.status != Status.STARTING for r in state.ranks.values()):
             return "running"
         return "starting"
 
     @property
     def ranks(self) -> dict[int, str]:
-        """Each rank's status now ('starting', 'running', 'finished', 'failed', 'stopped')."""
+        """Each rank's status now ('starting', 'running', 'paused', 'finished', 'failed',
+        'stopped'), as the dashboard's status column says it."""
         state = self.state
         if state is None:
             return {s.rank: str(Status.STARTING) for s in self.plan.specs}
-        return {rank: str(s.status) for rank, s in sorted(state.ranks.items())}
+        return {rank: s.status_text for rank, s in sorted(state.ranks.items())}
 
     def metrics(self, rank: int = 0) -> list[dict[str, float]]:
         """What ``rank`` logged so far with ``nbaccel.log``/``Accelerator.log``, as samples:
@@ -443,4 +492,6 @@ class Launch(concurrent.futures.Future[Any]):
         elapsed = (
             f", {self.state.elapsed(time.monotonic()):.1f} s" if self.state is not None else ""
         )
-        return f"<nbaccel.Launch {self.status}: {ranks}{elapsed}>"
+        state = self.state
+        attempt = f" ({state.attempt_text()})" if state is not None and state.attempts > 1 else ""
+        return f"<nbaccel.Launch {self.status}{attempt}: {ranks}{elapsed}>"

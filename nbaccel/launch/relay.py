@@ -15,6 +15,7 @@ import contextvars
 import os
 import pickle
 import selectors
+import sys
 import threading
 import time
 import warnings
@@ -48,6 +49,9 @@ class Relay:
         self.view = view
         self.payloads: dict[int, bytes | None] = {}
         self.failures: list[tuple[int, RankFailedError]] = []
+        # Failed ranks whose copy for %debug (``events.FailureCopy``) is still to come: the
+        # launch waits for it, or for the rank's exit (it is bounded in time: core.snapshot)
+        self.copying: set[int] = set()
         self.ended: dict[int, str] = {}  # ranks whose function ended well: "returned", ...
         self._leftovers: list[tuple[int, str, int | None]] = []  # (pid, command, rank)
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
@@ -170,6 +174,11 @@ class Relay:
             self._leftovers += [(pid, cmd, event.rank) for pid, cmd in event.processes]
         elif isinstance(event, events.Paused):
             self._on_paused(event)
+        elif isinstance(event, events.FailureCopy):  # for %debug, after its failure
+            self.copying.discard(event.rank)
+            failed = [e for k, e in self.failures if k == event.rank]
+            if failed:
+                post_mortem.remember(failed[0], event.rank, event.frames, launch=self.failures)
         elif isinstance(event, events.Failure):
             summary = describe_raise(event.exc_type, event.message)
             error = RankFailedError(
@@ -180,7 +189,8 @@ class Relay:
                 exc_type=event.exc_type,
                 original=load_exception(event.exception),
             )
-            post_mortem.remember(error, event.rank, event.frames)  # for %debug
+            if event.copy_follows:
+                self.copying.add(event.rank)
             self.record_failure(event.rank, error, summary.removeprefix("raised "))
             if event.traceback:  # in the rank's log, as a script's stderr has it: named at the end
                 self._logs.file(event.rank, "stderr").write(event.traceback.encode())
@@ -204,14 +214,25 @@ class Relay:
         ranks' pipes and updates the view, so the other ranks run on (their output never fills
         a pipe) and the views stay live; exits, replies and prompts wait for the loop."""
         done = threading.Event()
+        told = len(self.failures)
 
         def pump() -> None:
+            nonlocal told
             while not done.is_set():
                 read = False
                 for key, _ in self.selector.select(TICK):
                     r, kind = key.data
                     if kind in ("stdout", "stderr", "diag", "events"):
                         read = self.read(r, kind) or read
+                for rank, error in self.failures[told:]:  # not only once the prompt is answered
+                    print(
+                        f"nbaccel: rank {rank} failed while this prompt waits: "
+                        f"{str(error).splitlines()[0] if str(error) else type(error).__name__} "
+                        "(the launch ends with it once you leave the debugger)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                told = len(self.failures)
                 self.view.update()
                 if not read:
                     done.wait(TICK)  # a sentinel or a connection stays ready: not a busy loop

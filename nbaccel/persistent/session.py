@@ -227,6 +227,10 @@ class Ranks:
             raise
         finally:
             server.close()
+            # Every rank has connected (or the start is abandoned): the socket's folder goes
+            # now, not at stop(), which a kernel shut down with its ranks running never
+            # reaches (each such shutdown left an nbaccel-ranks-* folder behind).
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
         return self
 
     def _set_up(self) -> None:

@@ -12,6 +12,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 from nbaccel.core import (
@@ -164,12 +165,29 @@ def run_job(
         reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:
         event = exit.failure_event(failure, spec.rank, is_plumbing)
-        event.frames = snapshot.take(failure)  # for %debug in the kernel
+        event.copy_follows = snapshot.enabled()
         events.emit(event)
+        _send_failure_copy(failure, spec.rank)
     else:
         exited = 0 if isinstance(raised, SystemExit) else None
         events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))
     return code
+
+
+def _send_failure_copy(failure: BaseException, rank: int) -> None:
+    """The failure's frames and locals for ``%debug``, sent after the failure itself. The
+    kernel stops the ranks (SIGTERM) as soon as it has the failure: that signal waits until the
+    copy is sent (``core.snapshot`` bounds its time well within the grace before SIGKILL)."""
+    blocked = threading.current_thread() is threading.main_thread()
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        frames = snapshot.take(failure)
+        if frames is not None:
+            events.emit(events.FailureCopy(rank=rank, frames=frames))
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any) -> None:

@@ -63,6 +63,15 @@ _LAZY = {
     **dict.fromkeys(["FullyShardedDataParallelPlugin"], _T + "fsdp_plugin"),
     **dict.fromkeys(["merge_fsdp_weights", "save_fsdp_model"], _T + "fsdp_files"),
     **dict.fromkeys(["DeepSpeedPlugin"], _T + "deepspeed_plugin"),
+    **dict.fromkeys(
+        [
+            "ParallelismConfig",
+            "TorchTensorParallelConfig",
+            "TorchContextParallelConfig",
+            "DeepSpeedSequenceParallelConfig",
+        ],
+        _T + "parallelism_config",
+    ),
     **dict.fromkeys(["DummyOptim", "DummyScheduler"], _T + "deepspeed_dummies"),
     **dict.fromkeys(["DistributedType"], _T + "distributed"),
     **dict.fromkeys(["PartialState", "AcceleratorState"], _T + "partial_state"),

@@ -34,9 +34,11 @@ from torch.utils.data import DataLoader
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import settings_report
 from nbaccel.training import data, data_compat
+from nbaccel.training.accelerator import mesh_setup
 from nbaccel.training.accelerator import pickling as accelerator_pickling
 from nbaccel.training.accelerator.arguments import resolve_options
 from nbaccel.training.accelerator.collectives import ProcessControl
+from nbaccel.training.accelerator.mesh import MeshFacts
 from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
         ProjectConfiguration,
         RNGType,
     )
+    from nbaccel.training.parallelism_config import ParallelismConfig
 
 # A tracker for ``log_with``: a name ("tensorboard", "all"), a LoggerType, or a tracker object.
 TrackerChoice = str | LoggerType | GeneralTracker
@@ -68,7 +71,7 @@ _PREPARED = PREPARED_MARK
 _UNSET: Any = object()  # "not given", so dataloader_config can supply split_batches
 
 
-class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
+class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
     """Training on whatever this process was launched on: kernel, notebook_launcher, torchrun.
 
     Arguments left as ``None`` take the launcher's settings (``NBACCEL_*`` variables), else the
@@ -121,7 +124,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         dynamo_backend: str | None = None,  # torch.compile's backend name, e.g. "inductor"
         dynamo_plugin: object = None,  # anything with a ``backend`` name (a TorchDynamoPlugin)
         deepspeed_plugins: object = None,
-        parallelism_config: object = None,
+        parallelism_config: ParallelismConfig | None = None,
         *,
         even_batches: bool | None = None,
         dispatch_batches: bool | None = None,
@@ -131,7 +134,6 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             ("deepspeed_plugins", deepspeed_plugins),
             ("torch_tp_plugin", torch_tp_plugin),
             ("megatron_lm_plugin", megatron_lm_plugin),
-            ("parallelism_config", parallelism_config),
         ):
             if value is not None:
                 raise NotImplementedError(
@@ -173,6 +175,11 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         check_recipes(recipes, opts.mixed_precision, strategy)
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
+        self._parallelism, self._mesh = mesh_setup.build(parallelism_config, process)
+        if self._mesh is not None and self._parallelism is not None:
+            self._strategy = mesh_setup.strategy(
+                self._parallelism, self._mesh, process, self._strategy, fsdp_plugin
+            )
         self._strategy.ddp_handler = opts.ddp_handler
         # An engine that casts and scales itself (DeepSpeed) replaces autocast and the scaler.
         self._precision = self._strategy.adapt_precision(
@@ -193,6 +200,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             is_fsdp2=self._strategy.is_fsdp2,
             fsdp_plugin=self.fsdp_plugin,
             deepspeed_plugin=self.deepspeed_plugin,
+            parallelism_config=self._parallelism,
+            device_mesh=self._mesh,
         )
         self._gs = GradientState(
             accumulation_steps=opts.steps,
@@ -203,7 +212,11 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         )
         self.gradient_state = self._gs  # Accelerate's public name for the same object
         settings_report.report_settings(
-            self.mixed_precision, self.strategy, str(self.device), opts.steps
+            self.mixed_precision,
+            self.strategy,
+            str(self.device),
+            opts.steps,
+            **self._mesh_report(),
         )
         self.device_placement = device_placement
         self.dataloader_config = opts.dataloader_config
@@ -468,7 +481,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             data_loader = data_compat.seedable(data_loader, cfg.data_seed)
         loader = data.loader_class(data_loader, cfg.dispatch_batches)(
             data_loader,
-            self.state,
+            self._data_parallel_state(),  # the data-parallel ranks: a tp group shares batches
             self._gs,
             split_batches=cfg.split_batches,
             even_batches=cfg.even_batches,
