@@ -29,17 +29,7 @@ EXCLUDED = {
         "deepspeed_engine_wrapped",
         "deepspeed_ulysses_dl_adapter",
     ],
-    "FP8 recipes of TransformerEngine / MS-AMP / custom torchao recipes; nbaccel's fp8 is "
-    "torchao's float8 training with its defaults": [
-        "fp8_recipe_handler",
-        "te_recipe_handler",
-        "msamp_recipe_handler",
-        "ao_recipe_handler",
-        "has_fp8_handler",
-        "delayed_fp8_autocast",
-    ],
     "LOMO optimizers (the `lomo-optim` package)": ["lomo_backward"],
-    "big-model inference (device_map dispatch across devices)": ["verify_device_map"],
 }
 EXCLUDED_NAMES = {name for names in EXCLUDED.values() for name in names}
 
@@ -63,6 +53,14 @@ TOP_LEVEL = [
     "is_rich_available",
     "notebook_launcher",
     "debug_launcher",
+    # Big-model loading and dispatch (accelerate.big_modeling); tests/test_big_modeling.py.
+    "init_empty_weights",
+    "init_on_device",
+    "infer_auto_device_map",
+    "dispatch_model",
+    "load_checkpoint_and_dispatch",
+    "cpu_offload",
+    "disk_offload",
 ]
 UTILS = [
     "DistributedType",
@@ -106,6 +104,18 @@ UTILS = [
     "is_wandb_available",
     "DummyOptim",
     "DummyScheduler",
+    "compute_module_sizes",
+    "find_tied_parameters",
+    "get_balanced_memory",
+    "get_max_memory",
+    "infer_auto_device_map",
+    "check_device_map",
+    "offload_state_dict",
+    "offload_weight",
+    "load_offloaded_weight",
+    "save_offload_index",
+    "set_module_tensor_to_device",
+    "retie_parameters",
     "ParallelismConfig",
     "TorchTensorParallelConfig",
     "TorchContextParallelConfig",
@@ -212,6 +222,27 @@ def test_utils_functions_take_accelerates_parameters(name):
 
     theirs = _params(inspect.unwrap(getattr(accelerate.utils, name)))
     _assert_same_parameters(theirs, _params(getattr(nbaccel.utils, name)), name)
+
+
+BIG_MODELING = [
+    "init_empty_weights",
+    "init_on_device",
+    "cpu_offload",
+    "disk_offload",
+    "dispatch_model",
+    "load_checkpoint_and_dispatch",
+]
+
+
+@pytest.mark.parametrize("name", BIG_MODELING)
+def test_big_modeling_functions_take_accelerates_parameters(name):
+    import accelerate.big_modeling
+
+    import nbaccel.big_modeling
+
+    theirs = _params(inspect.unwrap(getattr(accelerate.big_modeling, name)))
+    ours = _params(inspect.unwrap(getattr(nbaccel.big_modeling, name)))
+    _assert_same_parameters(theirs, ours, f"big_modeling.{name}")
 
 
 @pytest.mark.parametrize("name", TOP_LEVEL)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
@@ -61,6 +62,25 @@ def format_size(n: int | None) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} bytes"
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str, what: str = "max_shard_size") -> int:
+    """Bytes in ``size`` ("10GB", "200MiB" or an int); ``what`` names it in the error.
+
+    Example::
+
+        parse_size("200MB")   # 200_000_000
+    """
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B)\s*", size.upper())
+    if not match:
+        raise ValueError(f"{what}={size!r} is not a size; write e.g. '500MB' or '2GB'.")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 class OutOfSpaceError(OSError):

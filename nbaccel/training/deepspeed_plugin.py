@@ -95,6 +95,9 @@ class DeepSpeedPlugin:
     - ``gradient_accumulation_steps``: ``None`` takes the Accelerator's; a number wins over it.
     - ``gradient_clipping``: max gradient norm applied by the engine (``None``: no clipping).
     - ``offload_optimizer_device`` / ``offload_param_device``: "none", "cpu" or "nvme".
+    - ``offload_optimizer_nvme_path`` / ``offload_param_nvme_path``: the folder "nvme" swaps
+      to (ZeRO-3; checked with DeepSpeed's async_io op when the Accelerator is made:
+      :mod:`nbaccel.training.nvme_offload`).
     - ``zero3_init_flag``: build models inside :meth:`zero3_init_context` sharded from the start.
     - ``zero3_save_16bit_model``: DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``
       (``get_state_dict``/``save_model`` gather full weights under ZeRO-3 either way).
@@ -117,6 +120,8 @@ class DeepSpeedPlugin:
     offload_param_device: str | None = None
     zero3_init_flag: bool | None = None
     zero3_save_16bit_model: bool | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
 
     def __post_init__(self) -> None:
         values = {}
@@ -155,10 +160,14 @@ class DeepSpeedPlugin:
                 f"hf_ds_config must be a dict or a JSON file path, got {type(source).__name__}."
             )
         zero: dict[str, Any] = {"stage": self.zero_stage}
-        if self.offload_optimizer_device != "none":
-            zero["offload_optimizer"] = {"device": self.offload_optimizer_device}
-        if self.offload_param_device != "none":
-            zero["offload_param"] = {"device": self.offload_param_device}
+        for section, device, path in (
+            ("offload_optimizer", self.offload_optimizer_device, self.offload_optimizer_nvme_path),
+            ("offload_param", self.offload_param_device, self.offload_param_nvme_path),
+        ):
+            if device != "none":
+                zero[section] = {"device": device}
+            if device == "nvme":
+                zero[section]["nvme_path"] = path
         if self.zero_stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = self.zero3_save_16bit_model
         config = {

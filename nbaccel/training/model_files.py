@@ -15,38 +15,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nbaccel.core.atomic import atomic_write
-from nbaccel.core.disk_space import OutOfSpaceError, swap_failed
+from nbaccel.core.disk_space import OutOfSpaceError, parse_size, swap_failed
 from nbaccel.training import model_folder
 from nbaccel.training.distributed import env_int
 from nbaccel.training.file_reading import safetensors_load, torch_load
+from nbaccel.training.placement import load_into_device_map
 from nbaccel.training.torch_files import atomic_save
 
 SAFE_WEIGHTS_NAME, WEIGHTS_NAME = "model.safetensors", "pytorch_model.bin"
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _ALIASES = "nbaccel_tied"  # safetensors metadata: {name: the stored name it is the same as}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size`` ("10GB", "200MiB" or an int).
-
-    Example::
-
-        parse_size("200MB")   # 200_000_000
-    """
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?I?B)\s*", size.upper())
-    if not match:
-        raise ValueError(f"max_shard_size={size!r} is not a size; write e.g. '500MB' or '2GB'.")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def save_safetensors(
@@ -193,36 +176,44 @@ def load_state_dict_files(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
 
         state = load_state_dict_files("out/")
     """
-    path = Path(path)
-    files = [path]
-    if path.name.endswith(".index.json"):  # the index itself, as Accelerate also takes it
-        files = [path.parent / f for f in _shard_names(path)]
-    elif path.is_dir():
-        current = model_folder.current_files(path)
-        for name in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
-            if f"{name}.index.json" in current:
-                shards = _shard_names(current[f"{name}.index.json"])
-                files = [current.get(f, path / f) for f in shards]
-                break
-            if name in current:
-                files = [current[name]]
-                break
-        else:
-            raise FileNotFoundError(
-                f"{path} holds no {SAFE_WEIGHTS_NAME} or {WEIGHTS_NAME} (or their index); "
-                "pass the folder given to accelerator.save_model()."
-            )
     state: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for file in files:
-        if file.suffix == ".safetensors":
-            tensors, metadata = safetensors_load(file)
-            state.update(tensors)
-            aliases.update(json.loads(metadata.get(_ALIASES, "{}")))
-        else:
-            state.update(torch_load(file))
-    state.update({alias: state[kept] for alias, kept in aliases.items() if kept in state})
+    for file in checkpoint_files(path):
+        state.update(read_state_file(file))
     return state
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The weight files of a checkpoint: a file, a shard index, or a ``save_model`` folder.
+
+    Example::
+
+        checkpoint_files("out/")   # [Path('out/model.safetensors')]
+    """
+    path = Path(path)
+    if path.name.endswith(".index.json"):  # the index itself, as Accelerate also takes it
+        return [path.parent / f for f in _shard_names(path)]
+    if not path.is_dir():
+        return [path]
+    current = model_folder.current_files(path)
+    for name in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):
+        if f"{name}.index.json" in current:
+            return [current.get(f, path / f) for f in _shard_names(current[f"{name}.index.json"])]
+        if name in current:
+            return [current[name]]
+    raise FileNotFoundError(
+        f"{path} holds no {SAFE_WEIGHTS_NAME} or {WEIGHTS_NAME} (or their index); "
+        "pass the folder given to accelerator.save_model()."
+    )
+
+
+def read_state_file(file: Path) -> dict[str, torch.Tensor]:
+    """One weight file's tensors, names it marks as tied to another restored as that tensor."""
+    if file.suffix != ".safetensors":
+        return torch_load(file)
+    tensors, metadata = safetensors_load(file)
+    aliases = json.loads(metadata.get(_ALIASES, "{}"))
+    tensors.update({alias: tensors[kept] for alias, kept in aliases.items() if kept in tensors})
+    return tensors
 
 
 def _shard_names(index: Path) -> list[str]:
@@ -244,6 +235,11 @@ def _fill_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
                 state.setdefault(name, state[saved])
 
 
+def _with_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    _fill_tied(model, state)
+    return state
+
+
 def load_checkpoint_in_model(
     model: torch.nn.Module,
     checkpoint: str | os.PathLike[str],
@@ -261,8 +257,10 @@ def load_checkpoint_in_model(
     """Load a file or ``save_model`` folder into ``model`` (Accelerate's name and parameters).
     ``dtype`` is accepted and, as in Accelerate 1.15 without a ``device_map``, changes nothing:
     the weights are loaded exactly (cast the model yourself: ``model.to(torch.bfloat16)``).
-    Big-model loading (``device_map``, offloading, 8-bit, sharded state dicts) is refused with
-    the reason.
+    With a ``device_map`` (e.g. from ``infer_auto_device_map``) each file is loaded in turn,
+    each tensor onto its device, cast to ``dtype``; those for ``"disk"`` go to
+    ``offload_folder`` in Accelerate's format (:mod:`nbaccel.training.dispatch`).
+    8-bit offloading and sharded (DTensor) loading are refused with the reason.
 
     >>> import tempfile, nbaccel
     >>> accelerator = nbaccel.Accelerator(cpu=True)
@@ -275,21 +273,33 @@ def load_checkpoint_in_model(
     (torch.float32, True)
     """
     big_model = {
-        "device_map": device_map is not None,
-        "offload_folder": offload_folder is not None,
-        "offload_state_dict": offload_state_dict,
-        "offload_buffers": offload_buffers,
-        "keep_in_fp32_modules": bool(keep_in_fp32_modules),
+        "offload_folder without a device_map": offload_folder is not None and device_map is None,
+        "offload_buffers without a device_map": offload_buffers and device_map is None,
+        "keep_in_fp32_modules without a device_map": bool(keep_in_fp32_modules)
+        and device_map is None,
         "offload_8bit_bnb": offload_8bit_bnb,
         "full_state_dict": not full_state_dict,
         "broadcast_from_rank0": broadcast_from_rank0,
     }
     if used := [name for name, given in big_model.items() if given]:
         raise ValueError(
-            f"load_checkpoint_in_model: {', '.join(used)} (big-model loading) is not supported "
-            "by nbaccel; it loads the whole state dict into the model. Load on the CPU and move "
-            "the model, or shard it with FSDP after loading."
+            f"load_checkpoint_in_model: {', '.join(used)} is not supported by nbaccel. Pass a "
+            "device_map to offload (e.g. infer_auto_device_map(model, max_memory=...)); shard "
+            "with FSDP after loading; 8-bit weights are bitsandbytes', which nbaccel does not run."
         )
+    if device_map is not None:
+        states = (_with_tied(model, read_state_file(f)) for f in checkpoint_files(checkpoint))
+        load_into_device_map(  # one file in memory at a time
+            model,
+            states,
+            device_map,
+            offload_folder,
+            dtype,
+            offload_buffers,
+            keep_in_fp32_modules,
+            strict,
+        )
+        return
     state = load_state_dict_files(checkpoint)
     _fill_tied(model, state)
     model.load_state_dict(state, strict=strict)

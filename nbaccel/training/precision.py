@@ -184,8 +184,9 @@ class Fp16Precision(AutocastPrecision):
 class Fp8Precision(AutocastPrecision):
     """fp8: torchao converts Linear layers to float8 matmuls; the rest runs in bf16 autocast."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, recipe: Any = None) -> None:
         super().__init__(device, torch.bfloat16, "fp8")
+        self.recipe = recipe  # an AORecipeKwargs: torchao's config and layer filter
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         from torchao.float8 import convert_to_float8_training
@@ -198,11 +199,19 @@ class Fp8Precision(AutocastPrecision):
                 and layer.out_features % 16 == 0
             )
 
-        return convert_to_float8_training(module, module_filter_fn=fits)
+        recipe = self.recipe
+        return convert_to_float8_training(
+            module,
+            module_filter_fn=(recipe and recipe.module_filter_func) or fits,
+            config=recipe.config if recipe is not None else None,
+        )
 
 
-def select_precision(name: str, device: torch.device, scaler_kwargs: Any = None) -> Precision:
-    """The precision object for ``mixed_precision=name`` on ``device``, or a clear error.
+def select_precision(
+    name: str, device: torch.device, scaler_kwargs: Any = None, fp8_recipe: Any = None
+) -> Precision:
+    """The precision object for ``mixed_precision=name`` on ``device``, or a clear error
+    (``fp8_recipe``: an ``AORecipeKwargs`` for fp8).
 
     Example::
 
@@ -228,4 +237,4 @@ def select_precision(name: str, device: torch.device, scaler_kwargs: Any = None)
         return Fp16Precision(device, scaler_kwargs)
     if name == "bf16":
         return AutocastPrecision(device, torch.bfloat16, "bf16")
-    return Fp8Precision(device)
+    return Fp8Precision(device, fp8_recipe)

@@ -44,6 +44,7 @@ from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
 from nbaccel.training.distributed import DistributedType, detect_state
+from nbaccel.training.fp8_recipes import RECIPE_HANDLERS, AORecipeKwargs, check_recipes
 from nbaccel.training.kwargs_handlers import LoggerType
 from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
@@ -174,6 +175,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
         ):
             if plugin is not None:
                 strategy = strategy_registry.taking(argument, preferred=strategy)
+        recipes = {slot: getattr(opts, slot) for slot in RECIPE_HANDLERS.values()}
+        check_recipes(recipes, opts.mixed_precision, strategy)
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
         self._parallelism, self._mesh = mesh_setup.build(parallelism_config, process)
@@ -184,7 +187,9 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
         self._strategy.ddp_handler = opts.ddp_handler
         # An engine that casts and scales itself (DeepSpeed) replaces autocast and the scaler.
         self._precision = self._strategy.adapt_precision(
-            select_precision(opts.mixed_precision, process.device, opts.scaler_handler)
+            select_precision(
+                opts.mixed_precision, process.device, opts.scaler_handler, opts.ao_recipe_handler
+            )
         )
         # A plugin built from the launch config (NBACCEL_FSDP_*/DEEPSPEED_*) is as real as one
         # passed in: Accelerate users read it back from here.
@@ -225,6 +230,17 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
         self.ddp_handler, self.scaler_handler = opts.ddp_handler, opts.scaler_handler
         self.init_handler, self.autocast_handler = opts.init_handler, opts.autocast_handler
         self.profile_handler = opts.profile_handler
+        # Accelerate's attributes, None where not given.
+        self.ao_recipe_handler: AORecipeKwargs | None = opts.ao_recipe_handler
+        self.te_recipe_handler, self.msamp_recipe_handler = (
+            recipes["te_recipe_handler"],
+            recipes["msamp_recipe_handler"],
+        )
+        self.fp8_recipe_handler = opts.fp8_recipe_handler
+        if self.fp8_enabled and self.ao_recipe_handler is None:
+            self.ao_recipe_handler = AORecipeKwargs()  # the recipe fp8 runs, as Accelerate's
+        self.has_fp8_handler = self.fp8_enabled or any(recipes.values())
+        self.delayed_fp8_autocast = False  # TransformerEngine's; nbaccel's fp8 is torchao's
         self.dynamo_backend = opts.dynamo_backend
         self.native_amp = self._precision.name in ("fp16", "bf16")
         self.has_lomo_optimizer = False
@@ -378,6 +394,15 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
 
             model = accelerator.prepare_model(model)   # prepare() does this for modules
         """
+        if self.verify_device_map(model):
+            if self.state.distributed:
+                raise ValueError(
+                    "prepare(): this model was dispatched over several devices by a device map "
+                    f"(hf_device_map: {model.hf_device_map}); it cannot be trained on "
+                    f"{self.num_processes} processes. Load it whole on each rank, or launch one "
+                    "process."
+                )
+            device_placement = False  # its modules are where the device map put them
         setattr(model, _PREPARED, True)
         model = self._precision.convert_module(model)
         if evaluation_mode or device_placement is False and not self.state.distributed:
@@ -393,6 +418,16 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
             wrapped = compiled
         self._registry.models.append(wrapped)
         return wrapped
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` (or a module in it) was dispatched by a device map of more than
+        one entry (``dispatch_model``, ``load_checkpoint_and_dispatch``).
+
+        Example::
+
+            accelerator.verify_device_map(model)   # False for a model loaded whole
+        """
+        return any(len(getattr(m, "hf_device_map", ())) > 1 for m in model.modules())
 
     def prepare_optimizer(
         self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from nbaccel.core.config import normalize_mixed_precision
+from nbaccel.training.fp8_recipes import RECIPE_HANDLERS
 from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -34,6 +35,7 @@ _HANDLERS = {
     InitProcessGroupKwargs: "init_handler",
     AutocastKwargs: "autocast_handler",
     ProfileKwargs: "profile_handler",
+    **RECIPE_HANDLERS,
 }
 
 
@@ -60,6 +62,11 @@ class Options:
     init_handler: InitProcessGroupKwargs | None = None
     autocast_handler: AutocastKwargs | None = None
     profile_handler: ProfileKwargs | None = None
+    # FP8 recipes (nbaccel.training.fp8_recipes), by Accelerate's attribute names.
+    ao_recipe_handler: Any = None
+    te_recipe_handler: Any = None
+    msamp_recipe_handler: Any = None
+    fp8_recipe_handler: Any = None
 
 
 def resolve_options(

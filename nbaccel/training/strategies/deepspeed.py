@@ -37,6 +37,7 @@ from nbaccel.training.deepspeed_plugin import (
     join_process_group,
 )
 from nbaccel.training.distributed import DistributedType, ProcessState
+from nbaccel.training.nvme_offload import check_nvme_offload
 from nbaccel.training.precision import Precision
 from nbaccel.training.strategies.base import Prepared, Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer
@@ -72,6 +73,7 @@ class DeepSpeedStrategy(Strategy):
         self.mixed_precision = "no"
         self._warned_clip = False
         self._ds = import_deepspeed(cpu=state.device.type == "cpu")  # fail early if missing
+        check_nvme_offload(self.plugin.deepspeed_config)  # before any engine starts
 
     def adapt_precision(self, precision: Precision) -> Precision:
         """A precision that casts nothing (the engine's bf16/fp16 sections do) but keeps the
