@@ -32,6 +32,7 @@ from nbaccel.core.local_traceback import with_cell_names
 from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
 from nbaccel.launch.errors import (
+    Interrupted,
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
@@ -293,7 +294,7 @@ class Launch(concurrent.futures.Future[Any]):
         except KeyboardInterrupt:
             # Every rank is stopped and reaped by now; the loop's frames would only be noise.
             n = len(self.plan.specs)
-            raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
+            raise Interrupted(f"launch interrupted; all {n} ranks were stopped") from None
 
     def _lifecycle(self) -> RankLifecycle:
         """An attempt's ranks, with a fresh view."""
@@ -361,24 +362,25 @@ class Launch(concurrent.futures.Future[Any]):
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def debug(self) -> int:
+    def debug(self) -> None:
         """Open pdb, in the cell that calls this, on each rank of this background launch that
         waits in ``breakpoint()`` or ``input()`` (one after the other; the dashboard says
         "rank 1 paused in ..."). ``q`` or Ctrl-C at the prompt stops the launch, as ``stop()``
-        does. Returns how many ranks were served (0: none was paused).
+        does. Says so where no rank was paused. Returns nothing: a cell ending in
+        ``launch.debug()`` shows no ``Out:`` under the conversation.
         """
         __tracebackhide__ = True
         relay = self.relay
-        if relay is None:
-            return 0
         try:
-            return relay.debug.serve_here(on_quit=self._stopping.set)
+            served = relay.debug.serve_here(on_quit=self._stopping.set) if relay else 0
         except KeyboardInterrupt:
             # The relay's frames, down to the kernel's input box, would only be noise here.
-            raise KeyboardInterrupt(
+            raise Interrupted(
                 "launch.debug() interrupted; the launch is stopping (launch.result() raises "
                 "LaunchStoppedError)"
             ) from None
+        if not served:
+            print(f"launch.debug(): no rank is paused (the launch is {self.status})")
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._ended().__await__()

@@ -26,7 +26,13 @@ from typing import Any
 from nbaccel.core.local_traceback import name_cell, with_cell_names
 from nbaccel.launch import loop, root_cause
 from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
+from nbaccel.launch.errors import (
+    Interrupted,
+    LaunchError,
+    LaunchTimeoutError,
+    RankFailedError,
+    load_exception,
+)
 from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay
@@ -282,7 +288,7 @@ class CellJob:
             raise CellTimeoutError(self.timeout or 0.0, sorted(self.stacks), self.stacks)
         if self.interrupted_at is not None or any(d.interrupted for d in self.done.values()):
             ranks = ", ".join(str(r) for r in self.ranks)
-            raise KeyboardInterrupt(
+            raise Interrupted(
                 f"cell interrupted on rank {ranks}; the ranks are alive and keep their state"
             )
         failed = [d for d in self.done.values() if d.failure is not None]

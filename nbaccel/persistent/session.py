@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from nbaccel.core import pickling
 from nbaccel.core.local_traceback import is_nbaccel_file
 from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import RankFailedError
+from nbaccel.launch.errors import Interrupted, RankFailedError
 from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
@@ -218,7 +218,7 @@ class Ranks:
             # Whatever phase it hit (a cell-interrupt message says the ranks live on), the
             # start is abandoned: nothing of it is left.
             self._shutdown(grace=0)
-            raise KeyboardInterrupt(
+            raise Interrupted(
                 "%ranks start interrupted; the ranks that had started were stopped"
             ) from None
         except BaseException:

@@ -26,6 +26,10 @@ class View(Protocol):
     def update(self) -> None:
         """The state changed (progress, metrics, status); redraw if it is time to."""
 
+    def settle(self) -> None:
+        """Show now every line held back (a rank paused: what it printed before reads above
+        its pdb); optional for a view."""
+
     def finish(self) -> None:
         """The launch is over (any outcome): show the final summary."""
 
