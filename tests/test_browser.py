@@ -213,6 +213,8 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
             chart = bh.saved_chart(page)
             assert chart["inlineSvg"] == 0 and ">399</text>" in chart["svg"], chart
             assert "rank 0rank 1" not in chart["text"], chart["text"]
+            shown = ".jp-NotebookPanel:not(.lm-mod-hidden) .nbaccel-summary tr[data-status]"
+            assert page.locator(shown).count() == 0  # untrusted: data- attributes stripped
             bh.screenshot(page, "untrusted-summary")
         except Exception:
             bh.screenshot(page, "failure-of-the-test")
