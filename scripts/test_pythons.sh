@@ -10,11 +10,12 @@
 #
 # Each Python gets one virtual environment, OUTSIDE the clone (PyPI's torch for these Pythons is
 # a CUDA build, ~6 GB in the venv; it runs on the CPU here): $NBACCEL_VENVS (default
-# ~/.cache/nbaccel)/venv-3.12-<hash>, the hash of the interpreter's version, constraints.txt and
-# pyproject.toml's requirements. It is built once and reused by every clone on the machine; when the pins
-# change a new one is built and the old one for that Python removed. A build interrupted half-way
-# is made again from scratch (the venv counts only once its stamp is written). Each run points
-# the venv's editable install at this clone (seconds) when another clone had it.
+# ~/.cache/nbaccel)/venv-3.12. It is built once and reused by every clone on the machine. Its
+# stamp (.nbaccel-built) holds a hash of the pins (the interpreter's version, constraints.txt's
+# lines, pyproject.toml's requirements): when they change, pip installs again into it, which
+# changes only what the pins changed; a build interrupted half-way (no stamp) is made again from
+# scratch, as NBACCEL_REINSTALL=1 makes it. Each run points the venv's editable install at this
+# clone (seconds) when another clone had it.
 #
 # What runs, by default: the fast layer (`-m "not slow"`: pure logic, docstring examples) and
 # every test of the real-kernel launcher, debugging, containment, %ranks and shutdown files.
@@ -58,28 +59,31 @@ find_python() {
     [ -n "$found" ] && [ -x "$found/bin/python" ] && echo "$found/bin/python"
 }
 
-# Make (or reuse) the venv for one interpreter; prints its path.
+# Make (or bring up to date) the venv for one interpreter; prints its path.
 venv_for() {
-    local python=$1 minor=$2 hash venv
+    local python=$1 minor=$2 pins venv
     # The pins: the interpreter, constraints.txt's lines and pyproject.toml's requirements (not
     # comments, nor the rest of pyproject.toml, which change more often than what is installed).
-    hash=$( ("$python" -c 'import sys; print(sys.version)'; sed 's/#.*//; /^ *$/d' constraints.txt
+    pins=$( ("$python" -c 'import sys; print(sys.version)'; sed 's/#.*//; /^ *$/d' constraints.txt
         python3 -c 'import json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print(json.dumps([p["dependencies"], p["optional-dependencies"]], sort_keys=True))') \
         | sha256sum | cut -c1-12)
-    venv="$venvs/venv-$minor-$hash"
-    if [ ! -f "$venv/.nbaccel-built" ]; then
+    venv="$venvs/venv-$minor"
+    if [ -n "${NBACCEL_REINSTALL:-}" ] || [ ! -x "$venv/bin/python" ] \
+        || [ ! -f "$venv/.nbaccel-built" ]; then
         echo "test_pythons.sh: building $venv (the first time downloads torch's CUDA build, several GB)" >&2
         rm -rf "$venv"
         "$python" -m venv "$venv"
         "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-        "$venv/bin/python" -m pip install --quiet -c constraints.txt -e ".[dev]" >&2
-        date -u +%FT%TZ >"$venv/.nbaccel-built"
-        # Only one venv per Python: the ones for older pins are several GB each.
-        for old in "$venvs"/venv-"$minor"-*; do
-            [ "$old" = "$venv" ] || [ ! -d "$old" ] || rm -rf "$old"
-        done
+    elif [ "$(cat "$venv/.nbaccel-built")" = "$pins" ]; then
+        echo "$venv"
+        return
+    else  # pip changes only what the new pins change (not torch's GB again)
+        echo "test_pythons.sh: the pins changed: updating $venv" >&2
+        rm "$venv/.nbaccel-built"
     fi
+    "$venv/bin/python" -m pip install --quiet -c constraints.txt -e ".[dev]" >&2
+    echo "$pins" >"$venv/.nbaccel-built"
     echo "$venv"
 }
 
