@@ -31,6 +31,7 @@ SECTIONS = (
     "heavy",
     "restart_run_all",
     "script",
+    "parallelism",
 )
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         heavy_import,
         iopub,
         launch_time,
+        parallelism,
         report,
         reporting_cost,
         restart_run_all,
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     results[name] = restart_run_all.run(args.reps, args.smoke, args.world, scratch)
                 elif name == "script":
                     results[name] = script_relaunch.run(args.reps, args.smoke, args.world, scratch)
+                elif name == "parallelism":
+                    results[name] = parallelism.run(args.reps, args.smoke)
                 results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
                 results[name]["measured"] = {
                     "reps": args.reps,

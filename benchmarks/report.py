@@ -219,7 +219,40 @@ def render(results: dict[str, Any]) -> str:
     out += _render_heavy(results.get("heavy"))
     out += _render_restart_run_all(results.get("restart_run_all"))
     out += _render_script(results.get("script"))
+    out += _render_parallelism(results.get("parallelism"))
     return "\n".join(out) + "\n"
+
+
+def _parallelism_row(name: str, e: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        _median(e, "samples_per_s", "{:.1f}"),
+        _median(e, "param_optimizer_mib_max_rank", "{:.2f}"),
+        _median(e, "peak_rss_mib", "{:.0f}"),
+        _load(e, "load"),
+    ]
+
+
+def _render_parallelism(s: dict[str, Any] | None) -> list[str]:
+    if not s:
+        return []
+    return _section(
+        s,
+        "## 12. N-D parallelism on 4 CPU ranks: one small transformer split four ways",
+        [
+            "layout",
+            "samples/s (slowest rank)",
+            "parameters + optimizer state per rank (MiB)",
+            "peak RSS per rank (MiB)",
+            "load",
+        ],
+        _parallelism_row,
+        before=[s["what"] + "."],
+        after=[
+            f"Parameters + optimizer state at dp_shard 2 × tp 2 ÷ dp 4's: "
+            f"{_num(s.get('tp2_vs_dp_memory'))} (target ≤ 0.6: {s.get('target_met')})."
+        ],
+    )
 
 
 def _heavy_row(name: str, e: dict[str, Any]) -> list[str]:

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 import nbaccel  # noqa: E402
 from gpu_checks.check_fsdp_cuda import check_fsdp  # noqa: E402
+from gpu_checks.check_pipeline_cuda import check_pipeline  # noqa: E402
 from tests.test_accelerator_training import train_linear, train_mixed  # noqa: E402
 
 
@@ -155,6 +156,7 @@ def main() -> int:
         ("fp16", lambda: check_autocast("fp16")),
         ("fp8", check_fp8),
         ("fsdp", check_fsdp),  # gpu_checks/check_fsdp_cuda.py: offload, bf16, rank-0 loading
+        ("pipeline", check_pipeline),  # gpu_checks/check_pipeline_cuda.py: stages over NCCL
     ]
     failed = 0
     for name, check in checks:

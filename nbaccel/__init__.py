@@ -26,40 +26,44 @@ __version__ = "0.1.0"
 
 # Public names, imported when first used: name -> module that defines it.
 _LAZY = {
-    "notebook_launcher": "nbaccel.launch.launcher",
-    "debug_launcher": "nbaccel.launch.launcher",
-    "Launch": "nbaccel.launch.launch",
-    "running": "nbaccel.launch.launch",
+    "notebook_launcher": "nbaccel.launchers",
+    "debug_launcher": "nbaccel.launchers",
+    "Launch": "nbaccel.launch.handle",
+    "running": "nbaccel.launch.handle",
     "LaunchOptions": "nbaccel.launch.options",
     "RayCluster": "nbaccel.cluster.ray_cluster",
     "Ranks": "nbaccel.persistent.session",
     "debug": "nbaccel.launch.post_mortem",
     "LaunchConfig": "nbaccel.core.config",
     "ConfigError": "nbaccel.core.config",
-    "LaunchError": "nbaccel.launch.errors",
-    "LaunchTimeoutError": "nbaccel.launch.errors",
-    "LaunchStoppedError": "nbaccel.launch.errors",
-    "RankFailedError": "nbaccel.launch.errors",
+    "LaunchError": "nbaccel.core.errors",
+    "LaunchTimeoutError": "nbaccel.core.errors",
+    "LaunchStoppedError": "nbaccel.core.errors",
+    "RankFailedError": "nbaccel.core.errors",
     "Accelerator": "nbaccel.training.accelerator",
     "FullyShardedDataParallelPlugin": "nbaccel.training.fsdp_plugin",
     "DeepSpeedPlugin": "nbaccel.training.deepspeed_plugin",
-    "set_seed": "nbaccel.training.random",
+    "ParallelismConfig": "nbaccel.training.parallelism_config",
+    "set_seed": "nbaccel.training.rng",
     # Accelerate's top-level names (more under nbaccel.utils, its accelerate.utils).
     "PartialState": "nbaccel.training.partial_state",
     "AcceleratorState": "nbaccel.training.partial_state",
-    "DistributedType": "nbaccel.training.process",
-    "DataLoaderConfiguration": "nbaccel.training.options",
-    "ProjectConfiguration": "nbaccel.training.options",
-    "DistributedDataParallelKwargs": "nbaccel.training.options",
-    "GradScalerKwargs": "nbaccel.training.options",
-    "InitProcessGroupKwargs": "nbaccel.training.options",
-    "AutocastKwargs": "nbaccel.training.options",
-    "ProfileKwargs": "nbaccel.training.options",
-    "DDPCommunicationHookType": "nbaccel.training.options",
+    "DistributedType": "nbaccel.training.distributed",
+    "DataLoaderConfiguration": "nbaccel.training.kwargs_handlers",
+    "ProjectConfiguration": "nbaccel.training.kwargs_handlers",
+    "DistributedDataParallelKwargs": "nbaccel.training.kwargs_handlers",
+    "GradScalerKwargs": "nbaccel.training.kwargs_handlers",
+    "InitProcessGroupKwargs": "nbaccel.training.kwargs_handlers",
+    "AutocastKwargs": "nbaccel.training.kwargs_handlers",
+    "ProfileKwargs": "nbaccel.training.kwargs_handlers",
+    "DDPCommunicationHookType": "nbaccel.training.kwargs_handlers",
     "find_executable_batch_size": "nbaccel.training.memory",
     "skip_first_batches": "nbaccel.training.data",
-    "synchronize_rng_states": "nbaccel.training.random",
+    "synchronize_rng_states": "nbaccel.training.rng",
     "load_checkpoint_in_model": "nbaccel.training.model_files",
+    "prepare_pippy": "nbaccel.training.pippy",
+    "prepare_pipeline": "nbaccel.training.pipeline_training",
+    "PipelineModel": "nbaccel.training.pipeline_training",
     "is_rich_available": "nbaccel.training.availability",
     "utils": "nbaccel.utils",
     "progress": "nbaccel.rank.reporting",
@@ -94,7 +98,7 @@ def _warm_up_in_kernel() -> bool:
         return False
     if "ipykernel" not in sys.modules:
         return False  # quick answer for scripts and ranks, without importing the kernel side
-    from nbaccel.ui import in_kernel
+    from nbaccel.core.kernel import in_kernel
 
     if not in_kernel():
         return False
@@ -113,7 +117,7 @@ def _warm_up_in_kernel() -> bool:
 # What the first launch cell would otherwise import before it can paint anything (~0.6 s on a
 # 2-core machine, mostly ipywidgets): imported in the background after ``import nbaccel``, so
 # the import cell stays quick and the launch's view shows at once.
-_KERNEL_SIDE = ("nbaccel.launch.launcher", "nbaccel.ui.text", "ipywidgets", "nbaccel.ui.dashboard")
+_KERNEL_SIDE = ("nbaccel.launchers", "nbaccel.ui.text", "ipywidgets", "nbaccel.ui.dashboard")
 
 
 def _import_kernel_side() -> None:

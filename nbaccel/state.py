@@ -8,7 +8,7 @@ Accelerator has its own, ``accelerator.gradient_state``.
 """
 
 from nbaccel.training.accumulation import GradientState
+from nbaccel.training.distributed import DistributedType
 from nbaccel.training.partial_state import AcceleratorState, PartialState
-from nbaccel.training.process import DistributedType
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState"]

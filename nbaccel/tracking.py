@@ -6,7 +6,7 @@ your own, and ``on_main_process`` for its methods (see :mod:`nbaccel.training.tr
 True
 """
 
-from nbaccel.training.options import LoggerType
+from nbaccel.training.kwargs_handlers import LoggerType
 from nbaccel.training.trackers import (
     AimTracker,
     ClearMLTracker,

@@ -109,6 +109,7 @@ LONGEST_FIRST = (
     "tests/test_mirror_contract.py",
     "tests/test_deepspeed_training.py",
     "tests/test_ranks_magics.py",
+    "tests/test_parallelism.py",
 )
 
 

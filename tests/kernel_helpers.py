@@ -273,3 +273,15 @@ def text_view_kernel(startup: str = "import nbaccel, os, time") -> Iterator[Kern
     test reads); use as ``yield from text_view_kernel()`` in a module-scoped fixture."""
     with KernelSession(env={"NBACCEL_VIEW": "text"}, startup=startup) as kernel:
         yield kernel
+
+
+def typed(*lines: str, then: str = "c") -> tuple[Callable[[str], str], list[str]]:
+    """An ``answer`` for :meth:`KernelSession.execute` that types ``lines``, one per prompt
+    (``then`` at any prompt after them), and the list of prompts it was asked."""
+    answers, prompts = list(lines), []
+
+    def answer(prompt: str) -> str:
+        prompts.append(prompt)
+        return answers.pop(0) if answers else then
+
+    return answer, prompts

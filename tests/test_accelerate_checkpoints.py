@@ -195,7 +195,7 @@ def test_folders_of_nbaccels_earlier_layout_still_load(tmp_path):
     from safetensors.torch import load_file
 
     from nbaccel.training.file_reading import torch_load_with_numpy
-    from nbaccel.training.random import capture_rng_state, restore_rng_states_file
+    from nbaccel.training.rng import capture_rng_state, restore_rng_states_file
 
     parts = _one_process_run(1.0)
     _step(*parts)

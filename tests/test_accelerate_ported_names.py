@@ -266,7 +266,7 @@ def test_a_failed_rank_is_caught_as_torch_elastics_child_failed_error_too():
 
 def test_without_torch_elastic_loaded_a_rank_failure_imports_no_torch():
     code = (
-        "import sys; from nbaccel.launch.errors import RankFailedError; "
+        "import sys; from nbaccel.core.errors import RankFailedError; "
         "error = RankFailedError(0, 2, 'raised ValueError: x'); "
         "assert type(error) is RankFailedError, type(error).__mro__; "
         "assert 'torch' not in sys.modules"

@@ -219,6 +219,11 @@ def test_stop_leaves_nothing_running(kernel, tmp_path):
         "KeyboardInterrupt",
     )
     assert len(running(tmp_path)) == 4
+    # Where each rank is, on demand, the launch running on
+    stacks = kernel.execute("print(running_launch.stacks()[1])")
+    assert stacks.error is None, stacks.error_text
+    assert "Cell In[" in stacks.stdout and ", in train" in stacks.stdout, stacks.stdout
+    assert len(running(tmp_path)) == 4
     stopped = kernel.execute("running_launch.stop(); running_launch.status")
     assert stopped.error is None, stopped.error_text
     assert stopped.results[-1]["text/plain"] == "'interrupted'"

@@ -45,6 +45,7 @@ NUMBER_KEYS = {
     "heavy": ("first_launch_s",),
     "restart_run_all": ("total_s",),
     "script": ("repeat_call_s",),
+    "parallelism": ("samples_per_s",),
 }
 
 

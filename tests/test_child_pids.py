@@ -1,4 +1,4 @@
-"""``core.processes.child_pids``: a process's children from ``/proc``, as psutil's scan finds them."""
+"""``core.process_table.child_pids``: a process's children from ``/proc``, as psutil's scan finds them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 
 import psutil
 
-from nbaccel.core import processes
+from nbaccel.core import process_table
 
 
 def test_child_pids_are_psutils_children_whichever_thread_started_them():
@@ -20,7 +20,7 @@ def test_child_pids_are_psutils_children_whichever_thread_started_them():
         return sorted(p.pid for p in psutil.Process().children())
 
     before = psutils()  # (the fork server, when an earlier test started it)
-    assert sorted(processes.child_pids() or []) == before
+    assert sorted(process_table.child_pids() or []) == before
     from_main = subprocess.Popen(["sleep", "30"])
     started: list[subprocess.Popen] = []
     thread = threading.Thread(target=lambda: started.append(subprocess.Popen(["sleep", "30"])))
@@ -28,12 +28,12 @@ def test_child_pids_are_psutils_children_whichever_thread_started_them():
     thread.join()
     try:
         expected = psutils()
-        assert sorted(processes.child_pids() or []) == expected
-        assert sorted(processes.child_pids(os.getpid()) or []) == expected
+        assert sorted(process_table.child_pids() or []) == expected
+        assert sorted(process_table.child_pids(os.getpid()) or []) == expected
         assert {from_main.pid, started[0].pid} <= set(expected)
     finally:
         for p in (from_main, *started):
             p.kill()
             p.wait()
-    assert sorted(processes.child_pids() or []) == before
-    assert processes.child_pids(2**22 + 1) is None  # no such process
+    assert sorted(process_table.child_pids() or []) == before
+    assert process_table.child_pids(2**22 + 1) is None  # no such process

@@ -22,7 +22,7 @@ import pytest
 
 import nbaccel
 from nbaccel import RankFailedError
-from nbaccel.launch.containment import LeftoverProcessesWarning
+from nbaccel.core.containment import LeftoverProcessesWarning
 
 pytestmark = pytest.mark.slow  # real ranks
 

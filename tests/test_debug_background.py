@@ -57,6 +57,10 @@ def test_launch_debug_opens_a_paused_ranks_pdb_in_the_calling_cell(kernel):
     assert started.error is None, started.error_text
     assert "rank 1 paused in breakpoint() at Cell In[" in started.stdout
     assert "run launch.debug() in a cell to debug it" in started.stdout
+    shown = kernel.execute("print(repr(launch))")  # paused, not "running", says the handle
+    assert shown.stdout.startswith("<nbaccel.Launch paused: rank 0 ") and (
+        "rank 1 paused," in shown.stdout
+    ), shown.stdout
     kernel.execute("time.sleep(4)")  # past the launch's timeout: a paused launch does not time out
     answer, prompts = typed("p values", "c")
     served = kernel.execute("launch.debug()", answer=answer)
@@ -93,7 +97,7 @@ def test_stop_at_the_prompt_of_launch_debug_stops_the_launch_without_nbaccels_fr
 
     cell = kernel.execute("launch.debug()", answer=stop)
     assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
-    assert "the launch is stopping" in cell.error_text, cell.error_text
+    assert "the launch is stopped" in cell.error_text, cell.error_text
     text = cell.error_text
     assert "debugging.py" not in text and "kernelbase.py" not in text, text  # their frames
     assert len(cell.error["traceback"]) == 1, text  # nor launch.debug's own frame

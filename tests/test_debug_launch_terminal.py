@@ -4,6 +4,7 @@ driven with pexpect as a person types), one rank at a time; ``q`` stops every ra
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import textwrap
 import time
@@ -87,3 +88,42 @@ def test_q_stops_every_rank(tmp_path):
     assert "all ranks were stopped" in child.before
     assert child.exitstatus != 0
     assert pids and gone(pids), "a rank outlived the launch after q"
+
+
+def test_ctrl_c_at_the_prompt_stops_every_rank_as_fast_as_without_one(tmp_path):
+    """Before, elastic forwarded the SIGINT to the paused rank, whose pdb took it for a Ctrl-C
+    at its own prompt and asked again: the launch ended 30 s later, at elastic's SIGKILL (and a
+    launcher thread inside stdin's reader at exit was a fatal error)."""
+    child = spawn(tmp_path)
+    child.expect(r"\(Pdb rank (\d)\) ")
+    seen = child.before
+    pressed = time.monotonic()
+    child.sendintr()
+    child.expect(pexpect.EOF, timeout=60)
+    took = time.monotonic() - pressed
+    child.close()
+    pids = [int(p) for p in re.findall(r"pid=(\d+)", seen + child.before)]
+    assert took < 15, f"Ctrl-C at the prompt took {took:.1f} s"
+    assert "stopped by SIGINT; all ranks were stopped" in child.before, child.before
+    assert "Fatal Python error" not in child.before, child.before
+    assert pids and gone(pids), "a rank outlived the launch after Ctrl-C"
+
+
+def test_end_of_input_at_the_prompt_says_so_and_stops(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    ended = subprocess.run(
+        [sys.executable, "-m", "nbaccel", "launch", "--num_processes", "2", str(script)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    said = ended.stdout + ended.stderr
+    pids = [int(p) for p in re.findall(r"pid=(\d+)", said)]
+    assert "nbaccel launch: end of input on stdin at rank" in said, said
+    assert said.count("end of input") == 1, said
+    assert "SIGINT" not in said and "Fatal Python error" not in said, said  # nobody pressed it
+    assert ended.returncode != 0
+    assert pids and gone(pids), "a rank outlived the launch after the end of input"

@@ -5,29 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernel_helpers import KernelSession
+from tests.kernel_helpers import KernelSession, typed
 
 pytestmark = pytest.mark.slow  # a real kernel
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ranks-tmp")
+    env = {"NBACCEL_VIEW": "text", "TMPDIR": str(tmp)}
+    with KernelSession(env=env, startup="import nbaccel, os, time") as k:
         cell = k.execute("%ranks start -n 2 --timeout 60  # gloo on CPU")
         assert cell.error is None, cell.error_text
+        # Nothing of nbaccel's in the temporary directory once the ranks run: a kernel shut
+        # down without `%ranks stop` left its nbaccel-ranks-* folder behind.
+        assert [p.name for p in tmp.iterdir() if p.name.startswith("nbaccel-")] == []
         yield k
         k.execute("%ranks stop")
         assert k.leftovers() == []
-
-
-def typed(*lines: str):
-    answers, prompts = list(lines), []
-
-    def answer(prompt: str) -> str:
-        prompts.append(prompt)
-        return answers.pop(0) if answers else "c"
-
-    return answer, prompts
 
 
 def test_breakpoint_in_a_ranks_cell_opens_pdb_in_the_cell(ranks):
@@ -119,6 +114,27 @@ def test_q_in_one_ranks_pdb_interrupts_the_cell_and_the_other_rank_is_not_asked(
     cell = ranks.execute("%%ranks\nbreakpoint()\ny = 1", answer=answer, timeout=60)
     assert len(prompts) == 1, prompts
     assert_interrupted_and_alive(ranks, cell)
+
+
+@pytest.mark.parametrize("how", ["q", "stop"])
+def test_q_or_stop_runs_no_code_of_the_cell_after_it_whatever_the_except(ranks, how):
+    """Before: pdb's ``q`` left the rank with ``BdbQuit``, an ``Exception``: an
+    ``except Exception`` around ``breakpoint()`` caught it and the cell ran on."""
+    assert ranks.execute("%%ranks\nkept = 'state'\nran_on = []").error is None
+    code = (
+        "if accelerator.process_index == 1:\n"
+        "    try:\n"
+        "        breakpoint()\n"
+        "        y = 1\n"
+        "    except Exception as exc:\n"
+        "        ran_on.append(type(exc).__name__)\n"
+        "    ran_on.append('after')\n"
+    )
+    answer, _ = typed("q") if how == "q" else stop_at_first_prompt(ranks, later="q")
+    cell = ranks.execute(f"%%ranks\n{code}", answer=answer, timeout=60)
+    assert_interrupted_and_alive(ranks, cell)
+    after = ranks.execute("%%ranks --rank 1\nran_on")
+    assert "Out: []" in after.stdout, after.stdout
 
 
 def test_what_a_rank_printed_before_its_breakpoint_reads_above_its_pdb(ranks):

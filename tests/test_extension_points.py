@@ -30,7 +30,7 @@ def test_a_registered_strategy_is_a_choice_everywhere(toy_strategy):
     from nbaccel.cli.main import build_parser
     from nbaccel.core.hardware import Hardware
     from nbaccel.rank import settings_report
-    from nbaccel.training.process import detect_state
+    from nbaccel.training.distributed import detect_state
     from nbaccel.training.strategies import select_strategy
     from nbaccel.ui.config_panel import ConfigPanel, panel_text, precision_choices
 
@@ -114,7 +114,7 @@ def _says_hello() -> int:
 
 @pytest.mark.slow
 def test_a_toy_view_shows_a_real_launch() -> None:
-    from nbaccel.ui import View
+    from nbaccel.launch.protocols import View
     from tests.toy_view import ToyView
 
     view = ToyView()

@@ -20,9 +20,9 @@ import pytest
 import nbaccel
 from nbaccel import RankFailedError
 from nbaccel.core import mp_internals
+from nbaccel.core.errors import LaunchError
 from nbaccel.forkserver import server as forkserver
-from nbaccel.launch import group, launch
-from nbaccel.launch.errors import LaunchError
+from nbaccel.launch import group, handle
 
 pytestmark = pytest.mark.slow  # real ranks, a server stopped for seconds
 
@@ -103,7 +103,7 @@ def test_a_server_that_hangs_or_dies_under_a_launch_never_traps_it(monkeypatch):
     waits for it (the OOM killer, say): the error says so, not multiprocessing's bare
     'unexpected EOF'. Each time the next launch gets a fresh server."""
     monkeypatch.setattr(group, "KILLED_STATUS_WAIT", 1.0)  # 5 s in real use
-    monkeypatch.setattr(launch, "STOP_GRACE", 0.5)  # 3 s
+    monkeypatch.setattr(handle, "STOP_GRACE", 0.5)  # 3 s
     nbaccel.notebook_launcher(lambda: 0, num_processes=1, progress=False)  # a warm server
     hung = mp_internals.forkserver_pid()
     pids = []

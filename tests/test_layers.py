@@ -20,13 +20,15 @@ ALLOWED = {
     "rank": {"core"},
     "training": {"core", "rank"},
     "utils": {"core", "rank", "training"},  # accelerate.utils's names; training side
-    "ui": {"core"},
-    "launch": {"core", "ui", "forkserver"},
+    # The views render the launch's model and implement its View protocol; the launch never
+    # imports them (the launcher, nbaccel.launchers, hands it its view).
+    "ui": {"core", "launch"},
+    "launch": {"core", "forkserver"},
     "cli": {"core", "rank", "training", "ui", "launch"},
     # Kernel side (ray_cluster, ray_group) and a node's side (node, remote_entry: core, rank).
     "cluster": {"core", "rank", "launch", "ui"},
     # The fork server: the kernel's side (server, mirror) and the server's (guard, preload, ...).
-    "forkserver": {"core", "rank", "launch", "ui"},
+    "forkserver": {"core", "rank"},
     # Persistent ranks: the kernel's side (session, magics, ...) and the rank's (serve, messages).
     "persistent": {"core", "rank", "launch", "ui"},
 }
@@ -37,6 +39,7 @@ SIDES = {
     "nbaccel.forkserver.importer": {"core", "rank", "forkserver"},
     "nbaccel.forkserver.ready": {"core", "rank", "forkserver"},
     "nbaccel.forkserver.log": {"core", "rank", "forkserver"},
+    "nbaccel.forkserver.launching_script": {"core", "rank", "forkserver"},
     "nbaccel.forkserver.protocol": {"core"},
     "nbaccel.persistent.serve": {"core", "rank", "persistent"},
     "nbaccel.persistent.messages": {"core"},
@@ -45,8 +48,6 @@ SIDES = {
 EXCEPTIONS = {
     # The kernel hands this function to multiprocessing as the rank's entry point.
     ("launch", "nbaccel.rank.entry"),
-    # A script's rank asks whether it runs in the fork server (then it must not start one).
-    ("rank", "nbaccel.forkserver.guard"),
     # XLA devices as threads: the kernel names this host process as the ranks' entry point.
     ("launch", "nbaccel.rank.xla"),
 }
@@ -132,6 +133,36 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_no_cycles_between_packages():
+    """No package imports one that imports it back, directly or through others: each arrow of
+    the package graph (a top-level module is a node of its own) points down. The process
+    targets (``EXCEPTIONS``) count too."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        source = _layer(module) or module
+        for target in _imports(path):
+            if target in modules and target != "nbaccel":
+                graph.setdefault(source, set()).add(_layer(target) or target)
+    for source in graph:
+        graph[source].discard(source)
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "package cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
 def test_every_package_says_its_job_and_what_it_may_import():
     for layer in ALLOWED:
         doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
@@ -180,7 +211,7 @@ def test_a_ranks_status_is_set_only_by_rank_state_move():
                         continue
                     own = isinstance(t.value, ast.Name) and t.value.id == "self"
                     if not own or module not in (
-                        "nbaccel.ui.launch_state",
+                        "nbaccel.launch.state",
                         "nbaccel.ui.config_panel",
                     ):
                         bad.append(f"{module}:{node.lineno}")

@@ -25,8 +25,8 @@ def test_ranks_status_before_any_start_says_not_running_as_after_a_stop(shell):
 def test_the_failures_text_names_cells_as_the_rendered_traceback_does(shell):
     import linecache
 
+    from nbaccel.core.errors import RankFailedError
     from nbaccel.core.local_traceback import name_cell, render_launch_error
-    from nbaccel.launch.errors import RankFailedError
 
     cell_file = "/tmp/ipykernel_4243/7654321.py"  # where ipykernel compiles a cell
     source = "def boom():\n    raise ValueError('bad batch')\n"
@@ -56,7 +56,7 @@ def test_a_failed_launch_names_the_log_that_has_its_traceback(capfd):
     import glob
 
     import nbaccel
-    from nbaccel.launch.errors import RankFailedError
+    from nbaccel.core.errors import RankFailedError
 
     with pytest.raises(RankFailedError):
         nbaccel.notebook_launcher(fails_silently, num_processes=1, progress="text")

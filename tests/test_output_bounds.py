@@ -8,8 +8,8 @@ import os
 
 from nbaccel.launch import output_logs
 from nbaccel.launch.lines import LineSplitter
+from nbaccel.launch.state import LaunchState, RankState
 from nbaccel.ui import panes
-from nbaccel.ui.launch_state import LaunchState, RankState
 from nbaccel.ui.text import TextView
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 import nbaccel
+from nbaccel.launch.state import LaunchState
 from nbaccel.rank.reporting import STEP_BAR_DESC
-from nbaccel.ui.launch_state import LaunchState
 
 pytestmark = pytest.mark.slow  # real ranks
 

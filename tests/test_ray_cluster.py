@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 import nbaccel
-from nbaccel.core import processes
+from nbaccel.core import process_table
 from nbaccel.core.rendezvous import free_port
 from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import resolve_plan
@@ -101,7 +101,7 @@ def _ray_start(
         if started.returncode == 0 or attempt:
             return started
         left = _cluster_processes(temp_dir)
-        processes.signal_all(left, signal.SIGKILL)
+        process_table.signal_all(left, signal.SIGKILL)
         psutil.wait_procs(left, timeout=10)
     return started
 

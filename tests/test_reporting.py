@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import nbaccel
+from nbaccel.launch.state import LaunchState
 from nbaccel.rank.reporting import ProgressBar, format_bar, log, progress
-from nbaccel.ui.launch_state import LaunchState
 
 
 class RecordingView:

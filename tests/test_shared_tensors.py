@@ -19,7 +19,7 @@ import torch
 
 import nbaccel
 from nbaccel.core import shared_tensors as S
-from nbaccel.launch.errors import RankFailedError
+from nbaccel.core.errors import RankFailedError
 
 BIG = S.MIN_BYTES // 4 + 1000  # float32 elements: just over the threshold
 

@@ -15,7 +15,7 @@ import pytest
 from nbaccel.core import capabilities, hardware
 from nbaccel.core.config import ConfigError, ConfigTypeError, LaunchConfig
 from nbaccel.core.hardware import GPU
-from nbaccel.launch import plan, root_cause
+from nbaccel.launch import failures, plan
 from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.lines import LINE_LIMIT, LineSplitter
 from nbaccel.rank import exit as rank_exit
@@ -154,12 +154,12 @@ def test_a_cluster_ranks_stack_ends_at_the_users_code_and_nbaccels_rank_entry():
     from nbaccel.cluster.ray_cluster import RayCluster
 
     entry_file = RayCluster().rank_entry_file  # the cluster says where its ranks start
-    assert root_cause.without_plumbing(dump, entry_file).splitlines() == [
+    assert failures.without_plumbing(dump, entry_file).splitlines() == [
         "Current thread 0x00007f (most recent call first):",
         '  File "/home/me/train.py", line 9 in train',
         f'  File "{site}/rank/entry.py", line 120 in run_rank',
     ]
-    assert root_cause.without_plumbing(dump, entry_file) == root_cause.without_plumbing(local)
+    assert failures.without_plumbing(dump, entry_file) == failures.without_plumbing(local)
 
 
 def test_a_ctrl_c_in_a_nested_deferral_is_raised_once_after_the_outer_block():
@@ -167,7 +167,7 @@ def test_a_ctrl_c_in_a_nested_deferral_is_raised_once_after_the_outer_block():
     step must not cut the rest of the outer block short; it is raised once, at its end."""
     import os
 
-    from nbaccel.launch.containment import sigint_deferred
+    from nbaccel.core.containment import sigint_deferred
 
     steps = []
     with pytest.raises(KeyboardInterrupt, match="launch interrupted"), sigint_deferred():

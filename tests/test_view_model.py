@@ -10,8 +10,8 @@ import pytest
 
 from nbaccel.core.local_traceback import Renderer, render_launch_error
 from nbaccel.launch.lines import LineSplitter
+from nbaccel.launch.state import LaunchInfo, LaunchState, RankState, RankStatus
 from nbaccel.ui import chart, panes, summary, table
-from nbaccel.ui.launch_state import LaunchInfo, LaunchState, RankState, RankStatus
 from tests.fresh_boot import fresh_boot_clock  # noqa: F401 - a fixture, used below
 
 # Each test runs at the real clock and as on a machine booted a second ago: the view model's
@@ -234,7 +234,7 @@ def test_line_splitter_shows_partial_lines_and_drops_torch_rank_prefix():
 def test_rank_traceback_renders_as_cells_without_nbaccel_frames():
     import linecache
 
-    from nbaccel.launch.errors import RankFailedError
+    from nbaccel.core.errors import RankFailedError
 
     cell_file = "/tmp/ipykernel_4242/123456.py"
     source = "def boom():\n    x = 1\n    raise ValueError('bad batch')\n"

@@ -18,7 +18,7 @@ import pytest
 from tests.kernel_helpers import KernelSession
 
 LAUNCH = "def train():\n    return 1\nnbaccel.notebook_launcher(train, num_processes=2)"
-WARMED = ("nbaccel.launch.launcher", "nbaccel.ui.text", "ipywidgets", "nbaccel.ui.dashboard")
+WARMED = ("nbaccel.launchers", "nbaccel.ui.text", "ipywidgets", "nbaccel.ui.dashboard")
 # s from the request to the view's first display once the warm-up is done: 0.03-0.08 s measured
 # (load average 4); 0.13-0.64 s before the warm-up imported the kernel side.
 FIRST_PAINT = 0.2

@@ -19,7 +19,7 @@ pytest.importorskip(
 )
 
 import nbaccel  # noqa: E402
-from nbaccel.launch.errors import RankFailedError  # noqa: E402
+from nbaccel.core.errors import RankFailedError  # noqa: E402
 
 XLA_CPU = {"PJRT_DEVICE": "CPU"}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbaccel.ui.launch_state import LaunchState
+from nbaccel.launch.state import LaunchState
 
 
 class ToyView:

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import socket
 import sys
 import threading
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 
+from nbaccel.core.private_socket import PrivateListener
 from nbaccel.rank.debugger import ENV_ADDRESS, ENV_KEY
+
+STDIN_LOOK = 0.2  # seconds between looks at whether the launch ended while a prompt waits
 
 
 class TerminalDebugging:
@@ -27,34 +32,37 @@ class TerminalDebugging:
 
     def __init__(self) -> None:
         self._key = os.urandom(32)
-        token = os.urandom(8).hex()
-        address = f"\0nbaccel-launch-debug-{os.getpid()}-{token}"
-        self._folder = None
-        if not sys.platform.startswith("linux"):
-            import tempfile
-
-            self._folder = tempfile.mkdtemp(prefix="nbaccel-debug-")
-            address = os.path.join(self._folder, "s")
-        self._listener = Listener(address, family="AF_UNIX", authkey=self._key)
-        self.address = address
+        # This user only; a peer that fails to authenticate is dropped (core.private_socket).
+        self._listener = PrivateListener(self._key, prefix="nbaccel-launch-debug-")
+        self.address = self._listener.address
         self._turn = threading.Lock()  # one rank at the terminal at a time
         self._closed = False
+        self._stdin = sys.stdin.fileno() if sys.stdin is not None else -1
+        self._pending = b""  # typed (or piped) past the line asked for
+        # Why the launch stops, where a rank's pdb stopped it (said instead of "stopped by
+        # SIGINT", which is how it is stopped, not why).
+        self.stop_reason: str | None = None
         threading.Thread(target=self._accept, name="nbaccel-debug", daemon=True).start()
 
     def environment(self) -> dict[str, str]:
         """What the ranks need to reach this terminal."""
-        # An environment variable holds no NUL: Linux's abstract names travel with "@" instead.
-        return {ENV_ADDRESS: self.address.replace("\0", "@", 1), ENV_KEY: self._key.hex()}
+        return {ENV_ADDRESS: self.address, ENV_KEY: self._key.hex()}
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn = self._listener.accept()
-            except (OSError, EOFError):
+                peer = self._listener.accept_peer()
+            except OSError:
                 if self._closed:
                     return
-                continue  # a connection that failed to authenticate
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                continue
+            if peer is not None:  # authenticated in its own thread: a silent peer holds no one
+                threading.Thread(target=self._authenticated, args=(peer,), daemon=True).start()
+
+    def _authenticated(self, peer: socket.socket) -> None:
+        conn = self._listener.authenticate(peer)
+        if conn is not None:
+            self._serve(conn)
 
     def _serve(self, conn: Connection) -> None:
         with self._turn, contextlib.closing(conn):
@@ -68,8 +76,16 @@ class TerminalDebugging:
                         sys.stdout.write(rest[0])
                         sys.stdout.flush()
                     elif kind == "ask":
-                        conn.send(_ask(rest[0]))
+                        reply = self._ask(rest[0])
+                        if reply == ("eof",) and not self._closed:
+                            print(file=sys.stdout, flush=True)  # the prompt's line ends
+                            self.stop_reason = (
+                                f"end of input on stdin at rank {rank}'s pdb prompt, so the "
+                                "launch stops"
+                            )
+                        conn.send(reply)
                     elif kind == "quit":
+                        self.stop_reason = self.stop_reason or f"q in rank {rank}'s pdb"
                         # Ctrl-C's way out: torch elastic stops every rank, this one included.
                         os.kill(os.getpid(), signal.SIGINT)
                         conn.recv()  # until this rank is stopped
@@ -78,18 +94,38 @@ class TerminalDebugging:
             except (OSError, EOFError):
                 return
 
+    def _ask(self, prompt: str) -> tuple[str, ...]:
+        """One line from the terminal for a rank's prompt: ``("line", text)``, or ``("eof",)``
+        at the end of stdin (or once the launch ends).
+
+        Read from the descriptor, not with ``input()``: this thread may still wait for a line
+        when the launch ends (Ctrl-C, a rank's failure), and a daemon thread inside
+        ``sys.stdin``'s buffered reader at interpreter exit is a fatal error
+        (``_enter_buffered_busy``). Here it waits in ``select`` and leaves when closed."""
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        while b"\n" not in self._pending:
+            try:
+                ready, _, _ = select.select([self._stdin], [], [], STDIN_LOOK)
+            except (OSError, ValueError):
+                return ("eof",)
+            if self._closed:
+                return ("eof",)
+            if not ready:
+                continue
+            try:
+                data = os.read(self._stdin, 4096)
+            except OSError:
+                data = b""
+            if not data:  # end of input: a line without its newline still counts
+                if not self._pending:
+                    return ("eof",)
+                self._pending += b"\n"
+                break
+            self._pending += data
+        line, _, self._pending = self._pending.partition(b"\n")
+        return ("line", line.decode(errors="replace").removesuffix("\r"))
+
     def close(self) -> None:
         self._closed = True
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        if self._folder is not None:
-            import shutil
-
-            shutil.rmtree(self._folder, ignore_errors=True)
-
-
-def _ask(prompt: str) -> tuple[str, ...]:
-    try:
-        return ("line", input(prompt))
-    except EOFError:
-        return ("eof",)
+        self._listener.close()

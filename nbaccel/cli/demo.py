@@ -82,6 +82,6 @@ def run_demo(num_processes: int = 2, steps: int = 200) -> dict:
         >>> run_demo(2, steps=100)["world_size"]       # doctest: +SKIP
         2
     """
-    from nbaccel.launch.launcher import notebook_launcher
+    from nbaccel.launchers import notebook_launcher
 
     return notebook_launcher(train, args=(steps,), num_processes=num_processes, progress="text")

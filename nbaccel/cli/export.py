@@ -365,7 +365,7 @@ def _check_compiles(path: Path, parts: list[str]) -> None:
 def main_only(source: str) -> str:
     """Code after the launch, run only by the launching process. Under torchrun (and
     ``start_method="spawn"``) every rank runs the script's top level too, where the launch's
-    result does not exist; the fork server's ranks do not run it (``rank.launching_script``).
+    result does not exist; the fork server's ranks do not run it (``forkserver.launching_script``).
     Source with no statements (only comments, e.g. a commented-out magic) is left as it is:
     an ``if`` with an empty body would not compile."""
     if not ast.parse(source).body:

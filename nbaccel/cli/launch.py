@@ -7,7 +7,7 @@ agent, rendezvous and restarts are torchrun's, not a copy. What nbaccel adds aro
 * every rank runs ``nbaccel.rank.script_entry SCRIPT ARGS`` which records a failing rank's exception
   in torch elastic's error file;
 * output is labelled ``[rankN] text`` like notebook launches (torch's tee + line prefix);
-* a failure ends with the notebook's summary (:class:`~nbaccel.launch.errors.RankFailedError`: the rank,
+* a failure ends with the notebook's summary (:class:`~nbaccel.core.errors.RankFailedError`: the rank,
   its exception and traceback) instead of torchrun's ChildFailedError dump, and exit status 1;
 * nothing outlives the launch (Linux): each rank runs below a guard (:mod:`nbaccel.rank.script_guard`)
   that stops what the script started, also when this process is SIGKILLed, and this process is
@@ -35,13 +35,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nbaccel.core import deepspeed_settings, fsdp_settings, hardware, rendezvous
+from nbaccel.core import (
+    deepspeed_settings,
+    fsdp_settings,
+    hardware,
+    parallelism_settings,
+    rendezvous,
+)
 from nbaccel.core.config import LaunchConfig, third_party_env
+from nbaccel.core.errors import RankFailedError, UsageError
 from nbaccel.launch import capacity
-from nbaccel.launch.errors import RankFailedError, UsageError
 from nbaccel.launch.failures import describe_exit, describe_raise
+from nbaccel.launch.state import DEFAULT_LINE_PREFIX
 from nbaccel.rank import containment
-from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX
 
 ENTRY_MODULE = "nbaccel.rank.script_entry"
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
@@ -66,6 +72,7 @@ def resolve_config(args: argparse.Namespace) -> LaunchConfig:
         max_restarts=args.max_restarts,
         **{k: getattr(args, k, None) for k in fsdp_settings.ENV},  # validated by LaunchConfig
         **{k: getattr(args, k, None) for k in deepspeed_settings.ENV},
+        **{k: getattr(args, k, None) for k in parallelism_settings.ENV},
     )
 
 
@@ -237,6 +244,7 @@ def launch(args: argparse.Namespace) -> int:
     world_size = nprocs * cfg.num_machines
     try:
         capacity.check_process_count(nprocs, world_size, not gpus, name="--num_processes")
+        parallelism_settings.check_launch(cfg.to_dict(), world_size, on_gpus=bool(gpus))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -283,7 +291,8 @@ def launch(args: argparse.Namespace) -> int:
     except SignalException as exc:
         # The agent has already stopped the ranks; report how we were stopped.
         name = signal.Signals(exc.sigval).name
-        print(f"nbaccel launch: stopped by {name}; all ranks were stopped.", file=sys.stderr)
+        why = debugging.stop_reason or f"stopped by {name}"
+        print(f"nbaccel launch: {why}; all ranks were stopped.", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
         if subreaper:

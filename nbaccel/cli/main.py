@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from nbaccel.cli import torchrun_flags
-from nbaccel.core import deepspeed_settings, fsdp_settings, strategy_registry
+from nbaccel.core import (
+    deepspeed_settings,
+    fsdp_settings,
+    parallelism_settings,
+    strategy_registry,
+)
 from nbaccel.core.config import (
     MIXED_PRECISION_CHOICES,
     RDZV_BACKEND_CHOICES,
@@ -27,7 +32,7 @@ from nbaccel.core.config import (
     LaunchConfig,
     default_config_path,
 )
-from nbaccel.launch.errors import UsageError
+from nbaccel.core.errors import UsageError
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -311,6 +316,12 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     ds.add_argument(
         "--deepspeed_config_file", help="a DeepSpeed JSON config ('auto' values filled)"
     )
+    nd = p.add_argument_group(
+        "N-D parallelism (ParallelismConfig's sizes; names as in `accelerate launch`)"
+    )
+    for field in parallelism_settings.ENV:
+        flag = field.replace("_", "-")
+        nd.add_argument(f"--{field}", f"--{flag}", dest=field, type=int, metavar="N")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -24,7 +24,7 @@ import threading
 import psutil
 
 from nbaccel.cluster import wire
-from nbaccel.core import processes, rendezvous
+from nbaccel.core import process_table, rendezvous
 
 PIPES = ("stdout", "stderr", "diag", "events")
 
@@ -113,8 +113,8 @@ def _signal_session(sid: int, sig: int) -> list[tuple[int, str]]:
                 found.append(p)
         except (OSError, psutil.Error):
             continue
-    named = [(p.pid, processes.describe(p)) for p in found]
-    processes.signal_all(found, sig)
+    named = [(p.pid, process_table.describe(p)) for p in found]
+    process_table.signal_all(found, sig)
     return named
 
 

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from nbaccel.core import rendezvous
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
-from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.protocols import RankGroup
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -151,7 +151,7 @@ class RayCluster:
         return rendezvous.route_address(rank0_node) or "0.0.0.0"
 
     def make_group(self, specs: list[RankSpec]) -> RankGroup:
-        """The rank group of one launch attempt (``launch.launch.Launch`` starts it)."""
+        """The rank group of one launch attempt (``launch.handle.Launch`` starts it)."""
         from nbaccel.cluster.ray_group import RayRankGroup
 
         return RayRankGroup(specs, self)

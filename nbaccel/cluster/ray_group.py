@@ -1,6 +1,6 @@
 """The kernel's side of ranks on a Ray cluster: :class:`RayRankGroup`, shaped like ``RankGroup``.
 
-The launch (``launch.launch.Launch``), the loop and the relay use a group and its ranks through
+The launch (``launch.handle.Launch``), the loop and the relay use a group and its ranks through
 the same few methods whether the ranks run here or on a cluster: ``start``, ``alive``,
 ``send_signal``, ``begin_stop``/``poll_stop``/``stop``, ``wait``, ``reap``, and per rank its
 four readable ends, a sentinel and ``exitcode()``. Here the ends are TCP connections from each
@@ -24,8 +24,8 @@ from typing import Any
 
 from nbaccel.cluster import wire
 from nbaccel.cluster.node import RankHost
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
-from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.group import StopSequence
 
 CONNECT_TIMEOUT = 60.0  # s for every rank's connections to arrive once its actor started it

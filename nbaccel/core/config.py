@@ -19,7 +19,13 @@ from typing import Any
 
 import yaml
 
-from nbaccel.core import config_hints, deepspeed_settings, fsdp_settings, strategy_registry
+from nbaccel.core import (
+    config_hints,
+    deepspeed_settings,
+    fsdp_settings,
+    parallelism_settings,
+    strategy_registry,
+)
 from nbaccel.core.atomic import atomic_write
 
 MIXED_PRECISION_CHOICES = ("no", "fp16", "bf16", "fp8")
@@ -163,6 +169,11 @@ class LaunchConfig:
     deepspeed_zero3_init_flag: bool = False
     deepspeed_zero3_save_16bit_model: bool = False
     deepspeed_config_file: str | None = None
+    # N-D parallelism: ParallelismConfig's sizes, see core/parallelism_settings.py
+    parallelism_config_dp_replicate_size: int = 1
+    parallelism_config_dp_shard_size: int = 1
+    parallelism_config_tp_size: int = 1
+    parallelism_config_cp_size: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -197,6 +208,13 @@ class LaunchConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.__dict__.update(fsdp)
+        for name in parallelism_settings.ENV:
+            check_int(name, getattr(self, name), 1)
+        sizes = parallelism_settings.sizes_of(self.to_dict())
+        world = (self.num_processes or 0) * self.num_machines
+        problem = world and parallelism_settings.world_mismatch(sizes, world)
+        if problem:
+            raise ConfigError(f"{problem}.")
         if not isinstance(self.main_process_ip, str) or not self.main_process_ip:
             raise ConfigError(
                 f"main_process_ip must be a host name or address, got {self.main_process_ip!r}."
@@ -218,6 +236,7 @@ class LaunchConfig:
             ENV_GRADIENT_ACCUMULATION_STEPS: str(self.gradient_accumulation_steps),
             **fsdp_settings.fsdp_env(self.to_dict()),
             **deepspeed_settings.deepspeed_env(self.to_dict()),
+            **parallelism_settings.parallelism_env(self.to_dict()),
         }
 
     # -- YAML -------------------------------------------------------------------------------

@@ -103,8 +103,17 @@ class Failure:
     message: str
     traceback: str  # formatted, user frames only
     exception: bytes | None  # the pickled exception, when it pickles
-    # The user's frames and their locals for a post-mortem in the kernel (``core.snapshot``).
-    frames: bytes | None = None
+    copy_follows: bool = False  # a FailureCopy comes after it (NBACCEL_POST_MORTEM is on)
+
+
+@dataclasses.dataclass
+class FailureCopy:
+    """The user's frames and their locals when the rank failed, for a post-mortem in the
+    kernel (``core.snapshot``). Sent after its :class:`Failure`, so the failure is reported
+    however long its copy takes (the copy has a time budget of its own)."""
+
+    rank: int
+    frames: bytes
 
 
 @dataclasses.dataclass
@@ -117,6 +126,9 @@ class RankSettings:
     strategy: str
     device: str
     gradient_accumulation_steps: int
+    # N-D parallelism: the mesh ("dp_shard 2 × tp 2") and this rank's place ("dp_shard 1, tp 0")
+    parallelism: str = ""
+    coordinates: str = ""
 
 
 @dataclasses.dataclass
@@ -146,7 +158,16 @@ class Paused:
 
 
 Event = (
-    Started | Progress | Metrics | Result | Failure | Leftovers | RankSettings | Compiling | Paused
+    Started
+    | Progress
+    | Metrics
+    | Result
+    | Failure
+    | FailureCopy
+    | Leftovers
+    | RankSettings
+    | Compiling
+    | Paused
 )
 
 

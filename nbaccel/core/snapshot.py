@@ -16,11 +16,15 @@ Set ``NBACCEL_POST_MORTEM=0`` to send no record (the failure itself is reported 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import pickle
 import sys
+import threading
+import time
+import types
 from types import TracebackType
 from typing import Any
 
@@ -32,6 +36,11 @@ from nbaccel.core.local_traceback import is_nbaccel_file
 VALUE_LIMIT = 8 << 20  # bytes one local may take, pickled
 TOTAL_LIMIT = 64 << 20  # bytes all the locals of one failure may take
 REPR_LIMIT = 300  # characters of an unsent value's repr
+# Seconds one local may take to be copied, and all of a failure's: a __repr__ or __reduce__
+# that blocks is given up on (described by its type) and the failure still goes. Both under
+# the grace a stopping rank gets before SIGKILL (``launch.group.STOP_GRACE``, 3 s).
+VALUE_SECONDS = 1.0
+TOTAL_SECONDS = 2.0
 ENV_SWITCH = "NBACCEL_POST_MORTEM"
 
 
@@ -91,6 +100,9 @@ class _Pickler(pickling._Pickler):  # noqa: SLF001 - the rank's cloudpickle, fil
         self._capped = file
 
     def reducer_override(self, obj: Any) -> Any:
+        handle = describe_handle(obj)
+        if handle is not None:  # inside a container: described in its place, never read
+            return Unsent, dataclasses.astuple(handle)
         nbytes = _array_bytes(obj)
         if nbytes is not None and nbytes > self._capped.limit - self._capped.tell():
             raise _TooBig
@@ -113,6 +125,83 @@ def _array_bytes(value: Any) -> int | None:
     if numpy is not None and isinstance(value, numpy.ndarray):
         return int(value.nbytes)
     return None
+
+
+def _is_handle(value: Any) -> bool:
+    """Whether ``value`` stands for something outside the process's memory (an open file, a
+    socket) or a paused computation (a generator): copying it would read the file (cloudpickle
+    reads an open file whole), or cannot be done."""
+    if isinstance(value, io.IOBase):
+        return not isinstance(value, (io.StringIO, io.BytesIO))  # in memory: copied as is
+    if isinstance(value, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
+        return True
+    return any(isinstance(value, kind) for kind in _handle_types())
+
+
+def _handle_types() -> tuple[type, ...]:
+    kinds: list[type] = []
+    for module, name in (("socket", "socket"), ("mmap", "mmap"), ("subprocess", "Popen")):
+        loaded = sys.modules.get(module)  # not loaded: no value of it can exist
+        kind = getattr(loaded, name, None) if loaded is not None else None
+        if isinstance(kind, type):
+            kinds.append(kind)
+    return tuple(kinds)
+
+
+def describe_handle(value: Any) -> Unsent | None:
+    """An open file, socket, generator or other handle described (type, name, position)
+    without reading it; ``None`` for any other value.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile("w+") as f:
+    ...     _ = f.write("abc")
+    ...     describe_handle(f).why
+    'a handle: described, not read'
+    >>> describe_handle(x for x in [1]).detail
+    'generator <genexpr> not started'
+    """
+    if not _is_handle(value):
+        return None
+    return Unsent(_type_name(value), _handle_detail(value), "a handle: described, not read", "")
+
+
+def _handle_detail(value: Any) -> str:
+    parts = []
+    frame = getattr(value, "gi_frame", None) or getattr(value, "cr_frame", None)
+    code = getattr(value, "gi_code", None) or getattr(value, "cr_code", None)
+    if code is not None:
+        where = "finished" if frame is None else "not started"
+        if getattr(value, "gi_suspended", False) or getattr(value, "cr_suspended", False):
+            where = f"at line {frame.f_lineno}" if frame is not None else where
+        kind = "generator" if hasattr(value, "gi_code") else "coroutine"
+        return f"{kind} {code.co_name} {where}"
+    with contextlib.suppress(Exception):
+        name = getattr(value, "name", None)
+        if name is not None:
+            parts.append(f"name {name!r}")
+        mode = getattr(value, "mode", None)
+        if isinstance(mode, str):
+            parts.append(f"mode {mode!r}")
+    closed = getattr(value, "closed", False)
+    if closed is True or (hasattr(value, "fileno") and _fileno(value) == -1):
+        parts.append("closed")
+        return " ".join(parts)
+    if isinstance(value, io.IOBase):
+        with contextlib.suppress(Exception):
+            if value.seekable():
+                parts.append(f"position {value.tell():,}")
+    for what, read in (("local", "getsockname"), ("peer", "getpeername")):
+        with contextlib.suppress(Exception):
+            if hasattr(value, read) and hasattr(value, "family"):
+                parts.append(f"{what} {getattr(value, read)()!r}")
+    return " ".join(parts)
+
+
+def _fileno(value: Any) -> int | None:
+    try:
+        return int(value.fileno())
+    except Exception:  # noqa: BLE001 - a handle without a descriptor says so its own way
+        return None
 
 
 def _type_name(value: Any) -> str:
@@ -157,6 +246,9 @@ def dump_value(value: Any, limit: int = VALUE_LIMIT) -> bytes | Unsent:
     >>> import threading; dump_value(threading.Lock()).why
     'cannot be pickled: TypeError'
     """
+    handle = describe_handle(value)
+    if handle is not None:
+        return handle
     size = _array_bytes(value)
     if size is not None and size > limit:
         return Unsent(_type_name(value), _detail(value), f"{_mib(size)}, over {_mib(limit)}", "")
@@ -171,12 +263,54 @@ def dump_value(value: Any, limit: int = VALUE_LIMIT) -> bytes | Unsent:
     return buffer.getvalue()
 
 
+# Values that are copied in place: their pickling and repr cannot block or run user code.
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+
+
+class _TimeBudget:
+    """Each value copied in a thread of its own, waited for at most ``per_value`` seconds and
+    no longer than what is left of ``total``; a value given up on is described by its type only
+    (its thread is left to finish or to die with the rank: a daemon, it holds nothing of the
+    failure's report)."""
+
+    def __init__(self, per_value: float, total: float) -> None:
+        self.per_value = per_value
+        self.deadline = time.monotonic() + total
+
+    def dump(self, value: Any, limit: int) -> bytes | Unsent:
+        if type(value) in _PLAIN:
+            return dump_value(value, limit)
+        wait = min(self.per_value, self.deadline - time.monotonic())
+        if wait <= 0:
+            return Unsent(
+                _type_name(value), "", "not copied: the failure's copy ran out of time", ""
+            )
+        done: list[bytes | Unsent] = []
+        worker = threading.Thread(
+            target=lambda: done.append(dump_value(value, limit)),
+            name="nbaccel-snapshot",
+            daemon=True,
+        )
+        worker.start()
+        worker.join(wait)
+        if done:
+            return done[0]
+        why = f"not copied: its pickling or repr took over {wait:.1f} s"
+        return Unsent(_type_name(value), "", why, "")
+
+
+def enabled() -> bool:
+    """Whether a failure sends its copy (``NBACCEL_POST_MORTEM`` is not ``0``)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
 def take(exc: BaseException) -> bytes | None:
     """The frames of ``exc``'s traceback that are not nbaccel's, with their locals, pickled;
     ``None`` where ``NBACCEL_POST_MORTEM=0`` or nothing of the user's is in it."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not enabled():
         return None
     records, left = [], TOTAL_LIMIT
+    budget = _TimeBudget(VALUE_SECONDS, TOTAL_SECONDS)
     tb: TracebackType | None = exc.__traceback__
     while tb is not None:
         frame = tb.tb_frame
@@ -184,7 +318,7 @@ def take(exc: BaseException) -> bytes | None:
         if not is_nbaccel_file(code.co_filename):
             values: dict[str, bytes | Unsent] = {}
             for name, value in list(frame.f_locals.items()):
-                dumped = dump_value(value, min(VALUE_LIMIT, max(left, 0)))
+                dumped = budget.dump(value, min(VALUE_LIMIT, max(left, 0)))
                 if isinstance(dumped, bytes):
                     left -= len(dumped)
                 values[name] = dumped

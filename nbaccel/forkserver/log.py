@@ -6,7 +6,7 @@ cell runs: a package that prints or warns while the mirror imports it put megaby
 launch cell, and its warning reappeared in the next, unrelated cell. Here, file descriptors 1
 and 2 become a pipe that a thread copies into the log until :data:`LIMIT` bytes, and discards
 after (so a writer never blocks). Ranks forked from the server put their own pipes there
-(``rank.process_setup``).
+(``rank.startup``).
 
 Importing this module anywhere but in the fork server does nothing.
 """

@@ -318,6 +318,10 @@ class Mirror:
                         conn.close()
                         return
                     self._conn, self.heard = conn, time.monotonic()
+                # The server read its first names before it connected, and connects once:
+                # the folder goes now, not at close(), which a kernel shut down never reaches
+                # (each clean shutdown left an nbaccel-mirror-* folder behind).
+                shutil.rmtree(self._dir, ignore_errors=True)
                 self._accepted.set()
                 self._exchange(conn)
                 return

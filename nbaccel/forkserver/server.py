@@ -24,24 +24,23 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from nbaccel.core import mp_internals
+from nbaccel.core import containment, mp_internals
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
+from nbaccel.core.kernel import in_kernel
 from nbaccel.forkserver import mirror
 from nbaccel.forkserver.protocol import ENV_SERVER_LOG
-from nbaccel.launch import containment
-from nbaccel.launch.errors import LaunchError
-from nbaccel.ui import in_kernel
 
 # Imported once by the fork server; every rank then starts with them loaded. The guard comes
 # first (the server's own group, subreaper, kill its tree at exit), then its log (its output
 # goes to a file, never into a cell), then the rule that ranks do
-# not run the launching script again (rank.launching_script), then torch, then the
+# not run the launching script again (forkserver.launching_script), then torch, then the
 # launch's own preloads, the mirror (its thread imports what the kernel has) and the ready
 # signal last.
 SERVER_PRELOAD = (
     "nbaccel.forkserver.guard",
     "nbaccel.forkserver.log",
-    "nbaccel.rank.launching_script",
+    "nbaccel.forkserver.launching_script",
     "nbaccel.forkserver.preload",
 )
 SERVER_LAST = ("nbaccel.forkserver.importer", "nbaccel.forkserver.ready")
@@ -71,7 +70,7 @@ def resolve_start_method(name: str) -> str:
 class ForkServer:
     """This process's fork server, and everything the kernel keeps about it: the modules it
     preloads, its ready marker, its mirror, the lock of rank starts at the mirror, the ranks
-    started from it (:class:`~nbaccel.launch.containment.LiveRanks`), and servers retired
+    started from it (:class:`~nbaccel.core.containment.LiveRanks`), and servers retired
     while ranks still ran from them. There is one, :data:`SERVER`, because CPython's fork
     server is process-wide; a launch and a ``%ranks`` session reach it through their
     :class:`~nbaccel.launch.group.RankGroup`.

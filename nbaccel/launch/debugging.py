@@ -23,6 +23,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import linecache
+import os
+import shutil
 import sys
 import threading
 import time
@@ -31,7 +33,8 @@ from multiprocessing.connection import Client, Connection
 
 from nbaccel.core import events
 from nbaccel.core.local_traceback import cell_label
-from nbaccel.ui.launch_state import LaunchState
+from nbaccel.core.private_socket import SOCKET_FOLDER_PREFIX
+from nbaccel.launch.state import LaunchState
 
 # Seconds the rank answered last keeps the notebook's keyboard while it runs between prompts
 # (another rank's question waits that long before it is asked).
@@ -87,6 +90,9 @@ class Debugging:
         self._answered_at = 0.0
         # A %%ranks cell was interrupted: nobody is asked for it any more (see interrupt)
         self.interrupted = False
+        # The private folders of the ranks' sockets (``core.private_socket``): a rank removes
+        # its own once connected, the kernel those of ranks stopped before (see close).
+        self._folders: set[str] = set()
 
     def interrupt(self) -> None:
         """The ``%%ranks`` cell these ranks run was interrupted (Stop or Ctrl-C, at a prompt or
@@ -130,9 +136,16 @@ class Debugging:
             if conn is None:
                 continue
             served += 1
+            # The connection closes only after on_quit has stopped the ranks: a rank whose
+            # conversation ended without a stop runs on (its pdb quits), and its user's code
+            # (an ``except Exception`` around breakpoint()) ran after q or Stop.
             try:
                 while self._relay_one(conn):
                     pass
+                if self._quit:  # q: the launch stops (this rank waits to be stopped with it)
+                    self._quit = False
+                    on_quit()
+                    return served
             except KeyboardInterrupt:
                 on_quit()
                 raise
@@ -140,10 +153,6 @@ class Debugging:
                 pass
             finally:
                 self._close(rank, unwatch=lambda fd: None)
-            if self._quit:  # q: the launch stops (this rank waits to be stopped with it)
-                self._quit = False
-                on_quit()
-                break
         return served
 
     def _relay_one(self, conn: Connection) -> bool:
@@ -163,6 +172,7 @@ class Debugging:
 
     def connect(self, event: events.Paused, watch: Callable[[int], None]) -> None:
         self.waiting.pop(event.rank, None)
+        self._folders.add(os.path.dirname(event.address))
         try:
             conn = Client(event.address, family="AF_UNIX", authkey=event.authkey)
             conn.send(("labels", cell_labels()))
@@ -253,4 +263,10 @@ class Debugging:
             with contextlib.suppress(OSError):
                 conn.close()
         self.connections.clear()
+        for event in self.waiting.values():
+            self._folders.add(os.path.dirname(event.address))
         self.waiting.clear()
+        for folder in self._folders:  # of a rank stopped while it listened
+            if os.path.basename(folder).startswith(SOCKET_FOLDER_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)
+        self._folders.clear()

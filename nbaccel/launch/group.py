@@ -4,7 +4,7 @@ One :class:`RankGroup` owns its ranks from start to reaping: nothing else sends 
 Each rank gets four pipes of its own (stdout, stderr, crash/stack reports, events), created just
 before it starts so that no rank inherits another's write ends. Stopping reaches a rank's whole
 process group, and reaping also kills whatever the ranks left running wherever it re-parented
-(:mod:`nbaccel.launch.containment`).
+(:mod:`nbaccel.core.containment`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from typing import Any
 
 import psutil
 
-from nbaccel.core import mp_internals, processes
+from nbaccel.core import containment, mp_internals, process_table
+from nbaccel.core.errors import LaunchError
 from nbaccel.core.events import RankSpec
 from nbaccel.forkserver import server as forkserver
-from nbaccel.launch import containment
-from nbaccel.launch.errors import LaunchError
 from nbaccel.rank.entry import run_rank
 
 STOP_GRACE = 3.0  # seconds a rank gets to exit after SIGTERM before SIGKILL
@@ -243,7 +242,7 @@ class RankGroup(StopSequence):
         process = ctx.Process(
             target=run_rank,
             args=(spec, *writers),
-            name=f"{processes.RANK_PROCESS_PREFIX}{spec.rank}",
+            name=f"{process_table.RANK_PROCESS_PREFIX}{spec.rank}",
             daemon=False,
         )
         try:
@@ -291,7 +290,7 @@ class RankGroup(StopSequence):
                 self._stop_signals.setdefault(r.rank, set()).add(sig)
             containment.signal_group(r.pid, sig)
             self.send_signal([r], sig)
-            processes.signal_all(children, sig)
+            process_table.signal_all(children, sig)
 
     def _statuses_late(self) -> None:
         """Ranks that have died (zombies of their fork server) but whose server never said so:
@@ -329,7 +328,7 @@ class RankGroup(StopSequence):
             return
         self._next_descendant_look = now + DESCENDANT_LOOK
         for r in self.alive():
-            below = processes.child_pids(r.pid) or []
+            below = process_table.child_pids(r.pid) or []
             while below:
                 pid = below.pop()
                 if pid in self._daemons:
@@ -337,7 +336,7 @@ class RankGroup(StopSequence):
                 with contextlib.suppress(OSError, psutil.Error):
                     if os.getsid(pid) != r.pid:
                         self._daemons[pid] = psutil.Process(pid).create_time()
-                below += processes.child_pids(pid) or []
+                below += process_table.child_pids(pid) or []
 
     def _sweep_daemons(self) -> list[tuple[int, str]]:
         """Kill the daemons :meth:`note_descendants` saw that still run (same pid and start
@@ -346,13 +345,13 @@ class RankGroup(StopSequence):
         for pid, created in self._daemons.items():
             with contextlib.suppress(psutil.Error):
                 p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 0.01 and processes.alive(p):
+                if abs(p.create_time() - created) < 0.01 and process_table.alive(p):
                     found.append(p)
         self._daemons.clear()
         if not found:
             return []
-        killed = [(p.pid, processes.describe(p)) for p in found]
-        processes.signal_all(found, signal.SIGKILL)
+        killed = [(p.pid, process_table.describe(p)) for p in found]
+        process_table.signal_all(found, signal.SIGKILL)
         psutil.wait_procs(found, timeout=1.0)
         return killed + containment.sweep({p.pid for p in found}, set(), self.server.live)
 
@@ -370,6 +369,6 @@ class RankGroup(StopSequence):
 def _dead(pid: int) -> bool:
     """Whether the rank ``pid`` has ended (a zombie its server has not reaped, or gone)."""
     try:
-        return not processes.alive(psutil.Process(pid))
+        return not process_table.alive(psutil.Process(pid))
     except psutil.Error:
         return True

@@ -1,5 +1,5 @@
 """How a plan's ranks start and how they are torn down, in one place: for each attempt of a
-launch (``launch.launch``) and for a ``%ranks`` session (``persistent.session``) alike.
+launch (``launch.handle``) and for a ``%ranks`` session (``persistent.session``) alike.
 
 The start: the view first (a cell must not stay blank while the fork server still imports
 torch; :meth:`RankLifecycle.show`), the fork server (refusing a restart that would stop other
@@ -7,7 +7,7 @@ launches' ranks), the group's ranks, their clocks (a wait for the server is no s
 relay watching their pipes.
 The teardown: what still runs is stopped (after a wait for the ranks to leave by themselves, if
 asked: SIGTERM, SIGKILL after a grace), every rank is reaped and what the ranks left running is
-swept (``launch.containment``), their last output read and their pipes closed, with Ctrl-C held
+swept (``core.containment``), their last output read and their pipes closed, with Ctrl-C held
 back until it is done. What the ranks do in between is a job's (``launch.loop``).
 
 Example::
@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import time
 
+from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import LaunchError
 from nbaccel.forkserver import server as forkserver
 from nbaccel.launch import xla
-from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import LaunchError
 from nbaccel.launch.group import RankGroup
 from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.protocols import View
 from nbaccel.launch.relay import Relay
-from nbaccel.ui import View
-from nbaccel.ui.launch_state import LaunchState, Outcome, RankState
+from nbaccel.launch.state import LaunchState, Outcome, RankState
 
 
 class RankLifecycle:

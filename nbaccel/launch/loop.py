@@ -1,6 +1,6 @@
 """The one event loop of the kernel's side: follow live ranks until a job says it is done.
 
-A *job* is what the ranks are doing for the kernel: a launch's function (``launch.launch``'s
+A *job* is what the ranks are doing for the kernel: a launch's function (``launch.handle``'s
 ``RunJob``) or one ``%ranks`` cell (``persistent.cell``'s ``CellJob``). :func:`follow` waits on
 every rank's pipes, exit sentinels and the job's own connections at once, hands what arrives to
 the relay (output, events) or the job (replies, exits), and applies the policies every job

@@ -2,7 +2,7 @@
 
 Every entry point reads them from here: ``notebook_launcher`` (whose keywords are these fields,
 checked field for field by a test), :func:`~nbaccel.launch.plan.resolve_plan` (which checks them
-and reads each by name), :class:`~nbaccel.launch.launch.Launch` (view, progress, return_all),
+and reads each by name), :class:`~nbaccel.launch.handle.Launch` (view, progress, return_all),
 ``%ranks start`` (:class:`~nbaccel.persistent.session.Ranks`) and, for the settings a config file
 also holds, :class:`~nbaccel.core.config.LaunchConfig`, whose Accelerate spellings
 (``main_process_port`` for ``use_port``...) are listed in :data:`CONFIG_FILE_NAMES`.
@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 from nbaccel.core.config import LaunchConfig
 
 if TYPE_CHECKING:
-    from nbaccel.launch.protocols import Cluster
-    from nbaccel.ui import View
+    from nbaccel.launch.protocols import Cluster, View
 
 UNSET: Any = object()  # "not given": the config (or its default) decides
 

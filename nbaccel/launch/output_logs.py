@@ -10,7 +10,7 @@ launch: ``LaunchState.log_problem`` says why, and the summary shows it.
 
 >>> import tempfile, os
 >>> os.environ["NBACCEL_LOG_DIR"] = tempfile.mkdtemp()
->>> from nbaccel.ui.launch_state import LaunchState
+>>> from nbaccel.launch.state import LaunchState
 >>> state = LaunchState(None, {})
 >>> log = LaunchLogs(state).file(0, "stdout")
 >>> log.write(b"hello\\n")
@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 
-from nbaccel.ui.launch_state import LaunchState
+from nbaccel.launch.state import LaunchState
 
 KEEP = 20  # launch folders kept (the newest by their files' modification time)
 FILE_LIMIT = 1 << 30  # bytes one stream's file may reach

@@ -23,6 +23,7 @@ from nbaccel.core import (
     hardware,
     kernel_settings,
     local_traceback,
+    parallelism_settings,
     pickling,
     rendezvous,
     shared_tensors,
@@ -35,11 +36,13 @@ from nbaccel.launch import capacity, payload, xla
 from nbaccel.launch.kernel_objects import kernel_containers_changed
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.protocols import Cluster
-from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX, LaunchInfo
+from nbaccel.launch.state import DEFAULT_LINE_PREFIX, LaunchInfo
 
 __all__ = ["UNSET", "LaunchOptions", "LaunchPlan", "check_start_method", "resolve_plan"]
 
 DEFAULTS = LaunchOptions()  # notebook_launcher's defaults
+# How many times torch elastic has restarted the workers; every rank of an attempt reads it
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,22 @@ class LaunchPlan:
     preload: tuple[str, ...] = ()  # modules the fork server imports once for every rank
     # Where the ranks run when not here (its make_group starts them), e.g. cluster.RayCluster
     cluster: Cluster | None = None
+
+    def attempt(self, restart: int) -> LaunchPlan:
+        """The plan of the attempt after ``restart`` restarts (0: the first): each rank's
+        environment says which it is, as torch elastic's workers' does, so a function can tell
+        a restart from a first run (``TORCHELASTIC_RESTART_COUNT``, and
+        ``TORCHELASTIC_MAX_RESTARTS``).
+
+        >>> plan = resolve_plan(print, (), {}, LaunchOptions(num_processes=2, max_restarts=2))
+        >>> [s.env["TORCHELASTIC_RESTART_COUNT"] for s in plan.attempt(1).specs]
+        ['1', '1']
+        >>> plan.attempt(1).specs[0].env["TORCHELASTIC_MAX_RESTARTS"]
+        '2'
+        """
+        marks = {RESTART_COUNT: str(restart), "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts)}
+        specs = [dataclasses.replace(s, env={**s.env, **marks}) for s in self.specs]
+        return dataclasses.replace(self, specs=specs)
 
 
 def resolve_plan(
@@ -104,6 +123,7 @@ def resolve_plan(
     if cpu:
         env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}  # the ranks' torch sees no GPU either
     capabilities.check_precision(cfg.mixed_precision, gpus)
+    parallelism_settings.check_launch(cfg.to_dict(), nprocs * num_nodes, on_gpus=bool(gpus))
     capabilities.check_strategy(cfg.strategy, cfg.mixed_precision)  # e.g. deepspeed missing
     master_addr = options.master_addr
     port = _resolve_port(options.use_port, master_addr, node_rank, num_nodes)
@@ -127,6 +147,7 @@ def resolve_plan(
         master_port=port,
         start_method=method,
         placement=cluster.placement if cluster is not None else "",
+        parallelism=parallelism_settings.launch_description(cfg.to_dict()),
         line_prefix=(
             DEFAULT_LINE_PREFIX
             if options.log_line_prefix_template is None

@@ -35,36 +35,65 @@ if TYPE_CHECKING:  # loaded with the first post-mortem: %debug is wrapped at `im
 
     from nbaccel.core import snapshot
 
-KEPT = 4  # failures whose frames are kept (the newest), for %debug after them
-_RECORDS: collections.OrderedDict[int, tuple[BaseException, int, bytes]] = collections.OrderedDict()
+KEPT = 8  # failed ranks whose frames are kept (the newest), for %debug after them
+_RECORDS: collections.OrderedDict[int, tuple[BaseException, int, bytes, object]] = (
+    collections.OrderedDict()
+)
 _NEXT, _RAISE = "__nbaccel_next__", "__nbaccel_exc__"
 # Debuggers for errors whose ranks are still alive (a %%ranks cell's): each says whether it
 # took the error (and debugged it). ``%ranks`` adds its own (``persistent.magics``).
 LIVE: list[Callable[[BaseException | None], bool]] = []
 
 
-def remember(error: BaseException, rank: int, frames: bytes | None) -> None:
-    """Keep ``rank``'s frames for a post-mortem of ``error`` (the newest :data:`KEPT`)."""
+def remember(error: BaseException, rank: int, frames: bytes | None, launch: object = None) -> None:
+    """Keep ``rank``'s frames for a post-mortem of ``error`` (the newest :data:`KEPT`);
+    ``launch``: what the failures of one launch share, so that any of them reaches the others'
+    (``debug(rank=1)``)."""
     if frames is None:
         return
-    _RECORDS[id(error)] = (error, rank, frames)
+    _RECORDS[id(error)] = (error, rank, frames, launch if launch is not None else error)
     while len(_RECORDS) > KEPT:
         _RECORDS.popitem(last=False)
 
 
-def find(error: BaseException | None) -> tuple[int, bytes, BaseException] | None:
+def find(
+    error: BaseException | None, rank: int | None = None
+) -> tuple[int, bytes, BaseException] | None:
     """The failed rank's number, recorded frames and exception behind ``error`` (or an error
-    it was raised from), if its frames were kept."""
+    it was raised from), if its frames were kept; with ``rank``, that rank's of the same
+    launch."""
+    kept = _record(error, rank)
+    return None if kept is None else (kept[1], kept[2], _raised(kept[0]))
+
+
+def held_ranks(error: BaseException | None) -> list[int]:
+    """The ranks of ``error``'s launch whose frames are kept (more than one where several
+    ranks failed)."""
+    kept = _record(error)
+    if kept is None:
+        return []
+    return sorted({k[1] for k in _RECORDS.values() if k[3] is kept[3]})
+
+
+def _record(
+    error: BaseException | None, rank: int | None = None
+) -> tuple[BaseException, int, bytes, object] | None:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         kept = _RECORDS.get(id(error))
         if kept is not None and kept[0] is error:
-            original = getattr(error, "original", None)
-            raised = original if isinstance(original, BaseException) else None
-            return kept[1], kept[2], raised or RuntimeError(str(error))
+            if rank is None or rank == kept[1]:
+                return kept
+            same = [k for k in _RECORDS.values() if k[3] is kept[3] and k[1] == rank]
+            return same[0] if same else None
         error = error.__cause__ or error.__context__
     return None
+
+
+def _raised(error: BaseException) -> BaseException:
+    original = getattr(error, "original", None)
+    return original if isinstance(original, BaseException) else RuntimeError(str(error))
 
 
 def last_error() -> BaseException | None:
@@ -156,15 +185,18 @@ def _debugger(rank: int) -> pdb.Pdb:
     return debugger
 
 
-def debug(error: BaseException | None = None) -> None:
+def debug(error: BaseException | None = None, rank: int | None = None) -> None:
     """Open a debugger in the frames of the rank whose failure ``error`` is (by default the
     error the notebook showed last, as ``%debug`` does), with that rank's locals as they were
-    when it failed: ``p``, ``pp``, ``l``, ``ll``, ``w``, ``u``, ``d``, ``q``.
+    when it failed: ``p``, ``pp``, ``l``, ``ll``, ``w``, ``u``, ``d``, ``q``. Where several
+    ranks of the launch failed, ``rank`` chooses whose frames (by default the one the error
+    names); the first line says which others are kept.
 
     Example::
 
         nbaccel.notebook_launcher(train, num_processes=2)   # RankFailedError: rank 1 ...
         nbaccel.debug()                                      # ipdb rank 1> p batch
+        nbaccel.debug(rank=0)                                # where rank 0 failed too
 
     >>> debug(ValueError("not a launch"))
     Traceback (most recent call last):
@@ -172,25 +204,38 @@ def debug(error: BaseException | None = None) -> None:
     ValueError: nothing to debug: ValueError is not a rank's failure ...
     """
     error = error if error is not None else last_error()
-    if any(live(error) for live in LIVE):
+    if rank is None and any(live(error) for live in LIVE):
         return
-    found = find(error)
+    found = find(error, rank)
     if found is None:
         what = type(error).__name__ if error is not None else "no error"
+        held = held_ranks(error)
+        if held:
+            raise ValueError(
+                f"nothing to debug for rank {rank}: the frames kept of this launch's failures "
+                f"are rank {', '.join(map(str, held))}'s; try nbaccel.debug(rank={held[0]})"
+            )
         raise ValueError(
             f"nothing to debug: {what} is not a rank's failure whose frames were kept (a launch "
-            "that failed keeps its failing rank's frames for its last "
-            f"{KEPT} failures; NBACCEL_POST_MORTEM=0 turns that off)"
+            "that failed keeps its failing ranks' frames for its last "
+            f"{KEPT} failed ranks; NBACCEL_POST_MORTEM=0 turns that off)"
         )
     from nbaccel.core import snapshot
 
     rank, frames, exc = found
     tb = rebuild(snapshot.load(frames), exc)
+    others = [k for k in held_ranks(error) if k != rank]
     print(
         f"post-mortem of rank {rank}: its frames and locals as they were when it failed, copied "
         "to the kernel (tensors on the CPU; a value too big or that cannot be copied shows as "
         "<not sent ...>)"
     )
+    if others:
+        names = ", ".join(map(str, others))
+        print(
+            f"rank {names} failed too and {'their' if len(others) > 1 else 'its'} frames are "
+            f"kept: nbaccel.debug(rank={others[0]}) opens them"
+        )
     debugger = _debugger(rank)
     debugger.reset()
     debugger.interaction(None, tb)

@@ -1,5 +1,5 @@
-"""The declared extension points of a launch: what nbaccel asks of a rank group and of a
-cluster backend.
+"""The declared extension points of a launch: what nbaccel asks of a rank group, of a view and
+of a cluster backend.
 
 A rank group (:class:`RankGroup`) is the ranks of one launch attempt as the lifecycle, the
 relay and the event loop follow them: the local one (``launch.group.RankGroup``), XLA's
@@ -7,7 +7,9 @@ thread-host one (``launch.xla.ThreadHostGroup``) and a cluster's (``cluster.ray_
 ``.RayRankGroup``) implement it. A cluster backend (``cluster=`` of ``notebook_launcher``, e.g.
 :class:`~nbaccel.cluster.ray_cluster.RayCluster`) is any object with these members; the plan,
 the launch and the views ask the object, never its type. A new backend is one module with a
-class like that, passed as ``cluster=``.
+class like that, passed as ``cluster=``. A view (:class:`View`; ``view=`` of
+``notebook_launcher``) is what the launch shows itself in: ``nbaccel.ui``'s text view and
+dashboard implement it, above the launch, which never imports them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from nbaccel.core.events import RankSpec
+from nbaccel.launch.state import LaunchState
 
 if TYPE_CHECKING:
     from nbaccel.launch import group, xla
@@ -85,6 +88,26 @@ class RankGroup(Protocol):
         ...
 
 
+class View(Protocol):
+    def start(self, state: LaunchState) -> None: ...
+
+    def output(self, rank: int, stream: str, lines: list[str]) -> None:
+        """Complete lines a rank wrote to ``stream`` ("stdout" or "stderr")."""
+
+    def partial(self, rank: int, stream: str, text: str) -> None:
+        """The rank's unfinished last line now ("" when there is none); optional for a view."""
+
+    def update(self) -> None:
+        """The state changed (progress, metrics, status); redraw if it is time to."""
+
+    def settle(self) -> None:
+        """Show now every line held back (a rank paused: what it printed before reads above
+        its pdb); optional for a view."""
+
+    def finish(self) -> None:
+        """The launch is over (any outcome): show the final summary."""
+
+
 @runtime_checkable
 class Cluster(Protocol):
     """Machines other than this one that a launch's ranks run on."""
@@ -102,7 +125,7 @@ class Cluster(Protocol):
     @property
     def rank_entry_file(self) -> str:
         """The end of the path of the file a rank's process starts in on the cluster: its frame
-        and older ones are left out of a rank's crash report (``root_cause``)."""
+        and older ones are left out of a rank's crash report (``launch.failures``)."""
         ...
 
     @property

@@ -5,7 +5,7 @@ readable. Output is cut into whole lines per rank and stream before it reaches t
 lines are never split or interleaved (a line past 64 KiB is cut short with a note; every byte
 goes to the rank's log file, ``launch/output_logs``). Events update the launch state and record
 results and failures; what to do about them (stop the others, time out) is the job's
-(``launch.launch``, ``persistent.cell``), not the relay's.
+(``launch.handle``, ``persistent.cell``), not the relay's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextvars
 import os
 import pickle
 import selectors
+import sys
 import threading
 import time
 import warnings
@@ -22,18 +23,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from nbaccel.core import events, local_traceback
+from nbaccel.core.containment import LeftoverProcessesWarning, leftover_warning
+from nbaccel.core.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.core.events import STACK_DUMP_SIGNAL
-from nbaccel.launch import post_mortem, root_cause
-from nbaccel.launch.containment import LeftoverProcessesWarning, leftover_warning
+from nbaccel.launch import failures, post_mortem
 from nbaccel.launch.debugging import Debugging
-from nbaccel.launch.errors import LaunchError, RankFailedError, load_exception
 from nbaccel.launch.failures import describe_raise
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.launch.lines import LineSplitter
 from nbaccel.launch.output_logs import LaunchLogs
-from nbaccel.ui import View
-from nbaccel.ui.launch_state import LaunchState
-from nbaccel.ui.launch_state import RankStatus as Status
+from nbaccel.launch.protocols import View
+from nbaccel.launch.state import LaunchState
+from nbaccel.launch.state import RankStatus as Status
 
 STACK_WAIT = 2.0  # seconds to wait for stack dumps at a timeout
 TICK = 0.05  # s between looks at the pipes while a person types at a rank's prompt
@@ -48,6 +49,9 @@ class Relay:
         self.view = view
         self.payloads: dict[int, bytes | None] = {}
         self.failures: list[tuple[int, RankFailedError]] = []
+        # Failed ranks whose copy for %debug (``events.FailureCopy``) is still to come: the
+        # launch waits for it, or for the rank's exit (it is bounded in time: core.snapshot)
+        self.copying: set[int] = set()
         self.ended: dict[int, str] = {}  # ranks whose function ended well: "returned", ...
         self._leftovers: list[tuple[int, str, int | None]] = []  # (pid, command, rank)
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
@@ -170,6 +174,11 @@ class Relay:
             self._leftovers += [(pid, cmd, event.rank) for pid, cmd in event.processes]
         elif isinstance(event, events.Paused):
             self._on_paused(event)
+        elif isinstance(event, events.FailureCopy):  # for %debug, after its failure
+            self.copying.discard(event.rank)
+            failed = [e for k, e in self.failures if k == event.rank]
+            if failed:
+                post_mortem.remember(failed[0], event.rank, event.frames, launch=self.failures)
         elif isinstance(event, events.Failure):
             summary = describe_raise(event.exc_type, event.message)
             error = RankFailedError(
@@ -180,7 +189,8 @@ class Relay:
                 exc_type=event.exc_type,
                 original=load_exception(event.exception),
             )
-            post_mortem.remember(error, event.rank, event.frames)  # for %debug
+            if event.copy_follows:
+                self.copying.add(event.rank)
             self.record_failure(event.rank, error, summary.removeprefix("raised "))
             if event.traceback:  # in the rank's log, as a script's stderr has it: named at the end
                 self._logs.file(event.rank, "stderr").write(event.traceback.encode())
@@ -206,14 +216,25 @@ class Relay:
         ranks' pipes and updates the view, so the other ranks run on (their output never fills
         a pipe) and the views stay live; exits, replies and prompts wait for the loop."""
         done = threading.Event()
+        told = len(self.failures)
 
         def pump() -> None:
+            nonlocal told
             while not done.is_set():
                 read = False
                 for key, _ in self.selector.select(TICK):
                     r, kind = key.data
                     if kind in ("stdout", "stderr", "diag", "events"):
                         read = self.read(r, kind) or read
+                for rank, error in self.failures[told:]:  # not only once the prompt is answered
+                    print(
+                        f"nbaccel: rank {rank} failed while this prompt waits: "
+                        f"{str(error).splitlines()[0] if str(error) else type(error).__name__} "
+                        "(the launch ends with it once you leave the debugger)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                told = len(self.failures)
                 self.view.update()
                 if not read:
                     done.wait(TICK)  # a sentinel or a connection stays ready: not a busy loop
@@ -233,22 +254,22 @@ class Relay:
         """``rank`` failed with ``error``; ``line`` is its one line in the summary table."""
         state = self.state.ranks[rank]
         state.move(Status.FAILED)
-        state.error_line = root_cause.cut(line)  # the error keeps the full text
+        state.error_line = failures.cut(line)  # the error keeps the full text
         self.failures.append((rank, error))
 
     def first_failure(self) -> RankFailedError:
         """The failure to raise: the root cause first (a real failure before the connection
         errors it caused in other ranks; a rank that had already left, where only those
         remain), the others named after it."""
-        (first_rank, first), *rest = root_cause.order(self.failures)
+        (first_rank, first), *rest = failures.order(self.failures)
         first.other_failures = tuple(
-            f"rank {k} {root_cause.cut(e.summary)}" for k, e in rest if k != first_rank
+            f"rank {k} {failures.cut(e.summary)}" for k, e in rest if k != first_rank
         )
-        first.cause = root_cause.cause(first_rank, first, self.ended)
+        first.cause = failures.cause(first_rank, first, self.ended)
         first.args = (first._message(),)
         if first.cause:
             state = self.state.ranks[first_rank]
-            state.error_line = root_cause.cut(
+            state.error_line = failures.cut(
                 f"{first.cause.split(' while ')[0]}: {state.error_line}"
             )
         return first

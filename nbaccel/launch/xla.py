@@ -19,9 +19,8 @@ import os
 import sys
 from typing import Any
 
-from nbaccel.core import xla_runtime
+from nbaccel.core import containment, xla_runtime
 from nbaccel.core.events import RankSpec
-from nbaccel.launch import containment
 from nbaccel.launch.group import RankGroup, RankProcess
 from nbaccel.rank import xla as rank_xla
 

@@ -23,21 +23,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbaccel.core.local_traceback import name_cell, with_cell_names
-from nbaccel.launch import loop, root_cause
-from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import (
-    Interrupted,
+from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import (
     LaunchError,
     LaunchTimeoutError,
     RankFailedError,
+    UserInterrupt,
     load_exception,
 )
+from nbaccel.core.local_traceback import name_cell, with_cell_names
+from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit, describe_raise
 from nbaccel.launch.group import RankProcess
 from nbaccel.launch.relay import Relay
+from nbaccel.launch.state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 from nbaccel.persistent.messages import Blocked, Command, Done, cell_filename
-from nbaccel.ui.launch_state import FAILED, FINISHED, RUNNING, STOPPED, LaunchState, Outcome
 
 COLLECTIVE_GRACE = 1.0  # s a rank may wait in a collective after another rank is done
 INTERRUPT_GRACE = 5.0  # s the ranks get to end their cell after SIGINT
@@ -288,7 +288,7 @@ class CellJob:
             raise CellTimeoutError(self.timeout or 0.0, sorted(self.stacks), self.stacks)
         if self.interrupted_at is not None or any(d.interrupted for d in self.done.values()):
             ranks = ", ".join(str(r) for r in self.ranks)
-            raise Interrupted(
+            raise UserInterrupt(
                 f"cell interrupted on rank {ranks}; the ranks are alive and keep their state"
             )
         failed = [d for d in self.done.values() if d.failure is not None]
@@ -353,7 +353,7 @@ def cell_stack(dump: str) -> str:
     blocks = dump.strip().split("\n\n")
     main = next((b for b in blocks if b.startswith("Current thread")), dump.strip())
     plumbing = ("nbaccel/persistent/serve.py", "nbaccel/rank/entry.py")
-    lines = root_cause.without_plumbing(main).splitlines()
+    lines = failures.without_plumbing(main).splitlines()
     kept = "\n".join(ln for ln in lines if not any(p in ln for p in plumbing))
     return with_cell_names(kept)  # "Cell In[12], line 2, in <module>", as the traceback says
 

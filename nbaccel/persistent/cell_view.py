@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from nbaccel.launch.state import RUNNING, LaunchState
 from nbaccel.rank.reporting import STEP_BAR_DESC
 from nbaccel.ui.formats import format_bytes, format_seconds
-from nbaccel.ui.launch_state import RUNNING, LaunchState
 from nbaccel.ui.text import TextView
 
 LONG_CELL = 10.0  # s: a cell that ran this long ends with a status line

@@ -99,7 +99,7 @@ class RanksMagics(Magics):
     @line_cell_magic
     def ranks(self, line: str, cell: str | None = None) -> Any:
         __tracebackhide__ = True
-        from nbaccel.launch.errors import LaunchError
+        from nbaccel.core.errors import LaunchError
 
         try:
             if cell is not None:

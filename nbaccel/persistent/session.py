@@ -24,14 +24,16 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from nbaccel.core import pickling
+from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import RankFailedError, UserInterrupt
 from nbaccel.core.local_traceback import is_nbaccel_file
-from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import Interrupted, RankFailedError
 from nbaccel.launch.group import STOP_GRACE
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan
+from nbaccel.launch.protocols import View
 from nbaccel.launch.relay import Relay, load_payload
+from nbaccel.launch.state import Outcome
 from nbaccel.persistent.cell import (
     CellError,
     CellTimeoutError,
@@ -44,9 +46,8 @@ from nbaccel.persistent.cell_view import CellView
 from nbaccel.persistent.messages import Command, Done
 from nbaccel.persistent.start import SETUP_CODE, CellTextView, accept_ranks, session_plan
 from nbaccel.persistent.status import StatusTable, rank_rows
-from nbaccel.ui import View, wants_widgets
+from nbaccel.ui import wants_widgets
 from nbaccel.ui.busy import BusyBeacon
-from nbaccel.ui.launch_state import Outcome
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -218,7 +219,7 @@ class Ranks:
             # Whatever phase it hit (a cell-interrupt message says the ranks live on), the
             # start is abandoned: nothing of it is left.
             self._shutdown(grace=0)
-            raise Interrupted(
+            raise UserInterrupt(
                 "%ranks start interrupted; the ranks that had started were stopped"
             ) from None
         except BaseException:
@@ -226,6 +227,10 @@ class Ranks:
             raise
         finally:
             server.close()
+            # Every rank has connected (or the start is abandoned): the socket's folder goes
+            # now, not at stop(), which a kernel shut down with its ranks running never
+            # reaches (each such shutdown left an nbaccel-ranks-* folder behind).
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
         return self
 
     def _set_up(self) -> None:

@@ -18,10 +18,10 @@ from multiprocessing.connection import Connection
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import LaunchPlan, resolve_plan
 from nbaccel.launch.relay import Relay
+from nbaccel.launch.state import LaunchState
 from nbaccel.persistent.cell import RanksBrokenError
 from nbaccel.persistent.messages import Hello
 from nbaccel.persistent.serve import serve
-from nbaccel.ui.launch_state import LaunchState
 from nbaccel.ui.text import TextView
 
 START_TIMEOUT = 120.0  # s for every rank to connect its command socket

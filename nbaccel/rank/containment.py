@@ -31,7 +31,7 @@ import warnings
 
 import psutil
 
-from nbaccel.core import libc, processes
+from nbaccel.core import libc, process_table
 
 PR_SET_CHILD_SUBREAPER = 36
 GRACE = 2.0  # seconds a descendant gets to exit after SIGTERM
@@ -57,13 +57,13 @@ def set_subreaper() -> bool:
 def descendants() -> list[psutil.Process]:
     """This process's living descendants (zombies are reaped, not listed)."""
     reap_children()
-    if processes.child_pids() == []:  # the common case, known in microseconds: a descendant
+    if process_table.child_pids() == []:  # the common case, known in microseconds: a descendant
         return []  # always has a child of this process above it (orphans re-parent here)
     try:
         found = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
-    return [p for p in found if processes.alive(p)]
+    return [p for p in found if process_table.alive(p)]
 
 
 def reap_children() -> None:
@@ -88,7 +88,7 @@ def stop_descendants(grace: float = GRACE, found: list[psutil.Process] | None = 
     procs = descendants() if found is None else found
     if not procs:
         return
-    processes.signal_all(procs, signal.SIGTERM)
+    process_table.signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if not descendants():
@@ -103,7 +103,7 @@ def kill_descendants(rounds: int = 50) -> None:
         left = descendants()
         if not left:
             return
-        processes.signal_all(left, signal.SIGKILL)
+        process_table.signal_all(left, signal.SIGKILL)
         time.sleep(0.01)
 
 

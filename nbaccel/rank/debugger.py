@@ -12,7 +12,8 @@ Why a socket the rank opens, not a fifth pipe made for every rank at its start: 
 ever debugs, and a socket made at the pause costs nothing until then; it needs no change to how
 ranks are started (local, XLA or ``%ranks`` ranks alike), and the answers travel the one way
 the ranks' pipes do not (kernel to rank) without a second channel kept open for the whole run.
-The event pipe stays one-way; the socket is authenticated with a key only the event carried.
+The event pipe stays one-way; the socket is in a folder only this user can enter, and is
+authenticated with a key only the event carried (``core.private_socket``).
 
 The messages, as pickled tuples on a ``multiprocessing.connection.Connection``:
 
@@ -35,16 +36,16 @@ import contextlib
 import io
 import os
 import pdb
-import shutil
+import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection
 from types import FrameType
 from typing import Any
 
 from nbaccel.core import events
+from nbaccel.core.private_socket import PrivateListener
 
 # Under ``nbaccel launch`` (no event pipe) a rank reaches the launcher's terminal here
 # (``cli.debugging``): a Unix socket address and the hex key that authenticates to it.
@@ -150,11 +151,8 @@ class Console:
         """``nbaccel launch``: connect to the launcher's terminal, which serves one rank at a
         time (this waits in its queue)."""
         try:
-            address = os.environ[ENV_ADDRESS]
-            if address.startswith("@"):  # a Linux abstract name (no NUL in an environment)
-                address = "\0" + address[1:]
             conn = Client(
-                address,
+                os.environ[ENV_ADDRESS],
                 family="AF_UNIX",
                 authkey=bytes.fromhex(os.environ.get(ENV_KEY, "")),
             )
@@ -166,21 +164,23 @@ class Console:
 
     @staticmethod
     def _wait_for_kernel(rank: int, reason: str, frame: FrameType) -> Connection | None:
-        """A notebook's rank: listen, tell the kernel on the event pipe, wait for it."""
+        """A notebook's rank: listen (this user only, ``core.private_socket``), tell the
+        kernel on the event pipe, wait for it."""
         authkey = os.urandom(32)
-        address, folder = _address()
-        try:
-            with Listener(address, family="AF_UNIX", authkey=authkey) as listener:
-                code = frame.f_code
-                paused = events.Paused(
-                    rank, reason, code.co_filename, frame.f_lineno, code.co_name, address, authkey
-                )
-                if not events.emit(paused):
-                    return None
-                return listener.accept()  # until the kernel (or launch.debug()) comes
-        finally:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+        with PrivateListener(authkey) as listener:
+            code = frame.f_code
+            paused = events.Paused(
+                rank,
+                reason,
+                code.co_filename,
+                frame.f_lineno,
+                code.co_name,
+                listener.address,
+                authkey,
+            )
+            if not events.emit(paused):
+                return None
+            return listener.accept()  # until the kernel (or launch.debug()) comes
 
     def _redirect_streams(self) -> None:
         """What the rank prints while a person talks to it reads in the conversation (pdb's
@@ -214,6 +214,9 @@ class Console:
             kind, *rest = self._conn.recv()
         except (OSError, EOFError):
             raise EOFError("the kernel has gone") from None
+        except KeyboardInterrupt:
+            self._stopped_by_launcher()
+            raise
         if kind == "line":
             return str(rest[0])
         if kind == "unavailable":
@@ -238,13 +241,30 @@ class Console:
         conn = self._conn
         if conn is None:
             return
-        # KeyboardInterrupt: the stop may come as SIGINT (nbaccel launch's agent forwards it).
-        with contextlib.suppress(OSError, ValueError, EOFError, KeyboardInterrupt):
-            self._send(("quit",))
-            while True:
-                conn.recv()  # until the kernel stops this rank, or closes (then pdb's BdbQuit)
+        try:
+            with contextlib.suppress(OSError, ValueError, EOFError):
+                self._send(("quit",))
+                while True:
+                    conn.recv()  # until the kernel stops this rank, or lets it go (%%ranks)
+        except KeyboardInterrupt:
+            self._stopped_by_launcher()  # the stop may come as SIGINT (nbaccel launch)
         self._conn = None
         conn.close()
+
+    def _stopped_by_launcher(self) -> None:
+        """SIGINT while a rank of ``nbaccel launch`` waits at its prompt: the launcher is
+        stopping every rank (Ctrl-C at its terminal, or q), and torch elastic forwards the
+        signal to each. The rank dies of it at once, as a rank without a prompt does: pdb
+        would take it for a Ctrl-C at its prompt and ask again, and the launch waited 30 s
+        for elastic's SIGKILL."""
+        if events.current_rank() is not None or not os.environ.get(ENV_ADDRESS):
+            return  # a notebook's rank: the kernel stops it its own way
+        with contextlib.suppress(Exception):
+            self._restore_streams()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 class _ConsoleStream(io.TextIOBase):
@@ -344,6 +364,7 @@ class RankPdb(pdb.Pdb):
         self.prompt = f"(Pdb rank {console.rank}) "
         self._top: FrameType | None = None
         self._reason = "breakpoint()"  # what the views say the rank paused in
+        self._let_go = False  # q answered without this rank being stopped
 
     def start(self, frame: FrameType, reason: str = "breakpoint()") -> None:
         """Stop at the line after ``frame``'s current one, as ``pdb.set_trace`` does. The kernel
@@ -369,6 +390,12 @@ class RankPdb(pdb.Pdb):
                 return
             super().interaction(frame, traceback)
             self._output.flush()
+            if self._let_go:  # q, and the kernel did not stop this rank: see _quit
+                self._let_go = False
+                self.set_continue()
+                sys.settrace(None)
+                self.console.close()
+                raise Interrupted(f"q in the debugger of rank {self.console.rank}")
             if sys.gettrace() is None:  # `c` with no breakpoints left: the rank runs on
                 self.console.close()
 
@@ -395,7 +422,12 @@ class RankPdb(pdb.Pdb):
         self._output.flush()
         if self.post_mortem:
             return super().do_quit(arg)
-        self.console.quit()  # returns only if the kernel let go without stopping the rank
+        # Returns only if the kernel let go without stopping the rank (a %%ranks cell, whose
+        # ranks stay alive): the rank then leaves pdb with the cell's interrupt, raised where
+        # it stopped. Not pdb's BdbQuit: that is an Exception, and an ``except Exception``
+        # around breakpoint() caught it and ran the user's code on after q.
+        self.console.quit()
+        self._let_go = True
         return super().do_quit(arg)
 
     def _eof(self, arg: str) -> Any:
@@ -429,16 +461,6 @@ def user_top(frame: FrameType | None) -> FrameType | None:
             top = frame
         frame = back
     return top
-
-
-def _address() -> tuple[str, str | None]:
-    """A fresh Unix socket address, and the folder to remove after (none for Linux's abstract
-    names, which vanish with the socket)."""
-    token = os.urandom(8).hex()
-    if sys.platform.startswith("linux"):
-        return f"\0nbaccel-debug-{os.getpid()}-{token}", None
-    folder = tempfile.mkdtemp(prefix="nbaccel-debug-")
-    return os.path.join(folder, "s"), folder
 
 
 CONSOLE = Console()

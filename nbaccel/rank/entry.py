@@ -1,6 +1,6 @@
 """A notebook rank, from the moment its process exists until it exits.
 
-:func:`run_rank` wires the process up (``process_setup``), runs the user's function, reports
+:func:`run_rank` wires the process up (``startup``), runs the user's function, reports
 the result or the failure as an event, and ends through the shared exit protocol (``exit``).
 It never imports IPython or the views.
 """
@@ -12,12 +12,13 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 from nbaccel.core import (
     events,
     pickling,
-    processes,
+    process_table,
     proctitle,
     rendezvous,
     shared_tensors,
@@ -29,9 +30,9 @@ from nbaccel.rank import (
     containment,
     debugger,
     exit,
-    process_setup,
     reporting,
     settings_report,
+    startup,
     torch_fixes,
     tqdm_hook,
     twin,
@@ -92,7 +93,9 @@ def _stop_leftovers(rank: int) -> None:
     left = containment.descendants()
     if left:
         events.emit(
-            events.Leftovers(rank=rank, processes=[(p.pid, processes.describe(p)) for p in left])
+            events.Leftovers(
+                rank=rank, processes=[(p.pid, process_table.describe(p)) for p in left]
+            )
         )
         containment.stop_descendants(found=left)
 
@@ -113,11 +116,11 @@ def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_
     # from N ranks would only bury the one that matters.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     containment.reset_inherited_handlers()
-    process_setup.die_with_parent()
+    startup.die_with_parent()
     containment.become_subreaper_session()  # every process the rank causes stays below it
     proctitle.set_title(f"nbaccel rank {spec.rank} of {spec.world_size}")
-    process_setup.redirect_output(out_w.fileno(), err_w.fileno())
-    process_setup.refuse_keyboard_input()
+    startup.redirect_output(out_w.fileno(), err_w.fileno())
+    startup.refuse_keyboard_input()
     debugger.install(fallback_input=builtins.input)  # asks the notebook where it can
     diag = open(diag_w.fileno(), "w", closefd=False)  # noqa: SIM115 - kept for faulthandler
     faulthandler.enable(file=diag, all_threads=True)
@@ -125,7 +128,7 @@ def set_up_process(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, threads_
     os.environ.clear()
     os.environ.update(spec.env)
     twin.apply(spec)
-    process_setup.share_cpu_threads(threads_for)
+    startup.share_cpu_threads(threads_for)
     pickling.install_sources(spec.sources)
     return diag
 
@@ -162,12 +165,29 @@ def run_job(
         reporting.flush()  # metrics held back while the kernel was busy go before the verdict
     if failure is not None:
         event = exit.failure_event(failure, spec.rank, is_plumbing)
-        event.frames = snapshot.take(failure)  # for %debug in the kernel
+        event.copy_follows = snapshot.enabled()
         events.emit(event)
+        _send_failure_copy(failure, spec.rank)
     else:
         exited = 0 if isinstance(raised, SystemExit) else None
         events.emit(events.Result(rank=spec.rank, payload=payload, exit_code=exited))
     return code
+
+
+def _send_failure_copy(failure: BaseException, rank: int) -> None:
+    """The failure's frames and locals for ``%debug``, sent after the failure itself. The
+    kernel stops the ranks (SIGTERM) as soon as it has the failure: that signal waits until the
+    copy is sent (``core.snapshot`` bounds its time well within the grace before SIGKILL)."""
+    blocked = threading.current_thread() is threading.main_thread()
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        frames = snapshot.take(failure)
+        if frames is not None:
+            events.emit(events.FailureCopy(rank=rank, frames=frames))
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def run_rank(spec: RankSpec, out_w: Any, err_w: Any, diag_w: Any, events_w: Any) -> None:

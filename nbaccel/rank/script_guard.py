@@ -102,7 +102,8 @@ def _guard(child: int, launcher: int) -> None:
         os._exit(128 + signal.SIGTERM)
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
-        signal.signal(number, signal.SIG_DFL)
+        if number not in (signal.SIGKILL, signal.SIGSTOP):  # (theirs cannot be set: OSError)
+            signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)  # elastic reports the rank as killed by the same signal
         os._exit(128 + number)
     os._exit(os.waitstatus_to_exitcode(status))

@@ -24,7 +24,13 @@ _sent: Any = None
 
 
 def report_settings(
-    mixed_precision: str, strategy: str, device: str, accumulation: int, source: str = "nbaccel"
+    mixed_precision: str,
+    strategy: str,
+    device: str,
+    accumulation: int,
+    source: str = "nbaccel",
+    parallelism: str = "",
+    coordinates: str = "",
 ) -> None:
     """Tell the kernel what this rank's Accelerator runs (a no-op outside a launch).
     ``source="accelerate"``: read from Accelerate's; sent only when it changed, and never over
@@ -33,7 +39,9 @@ def report_settings(
     rank = events.current_rank()
     if rank is None:
         return
-    settings = events.RankSettings(rank, mixed_precision, strategy, device, accumulation)
+    settings = events.RankSettings(
+        rank, mixed_precision, strategy, device, accumulation, parallelism, coordinates
+    )
     if source != "nbaccel" and _sent in ("nbaccel", settings):
         return
     _sent = "nbaccel" if source == "nbaccel" else settings

@@ -40,13 +40,13 @@ import torch
 from nbaccel.core.disk_space import OutOfSpaceError, is_out_of_space, swap_failed
 from nbaccel.training import model_files, ops
 from nbaccel.training.file_reading import torch_load, torch_load_with_numpy
-from nbaccel.training.random import (
+from nbaccel.training.registry import PreparedObjects
+from nbaccel.training.rng import (
     capture_rng_state,
     restore_rng_state,
     restore_rng_states_file,
     rng_states_file,
 )
-from nbaccel.training.registry import PreparedObjects
 from nbaccel.training.strategies.base import Strategy, state_file
 from nbaccel.training.torch_files import atomic_save
 

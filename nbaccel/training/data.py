@@ -26,11 +26,11 @@ from torch.utils.data import DataLoader, IterableDataset
 from nbaccel.rank import reporting
 from nbaccel.training import iterable, ops, xla
 from nbaccel.training.accumulation import GradientState
-from nbaccel.training.process import ProcessState
+from nbaccel.training.distributed import ProcessState
 
 if TYPE_CHECKING:
     from nbaccel.training.partial_state import PartialState
-from nbaccel.training.random import synchronize_rng_states
+from nbaccel.training.rng import synchronize_rng_states
 from nbaccel.training.sharding import ShardedBatchSampler
 
 __all__ = [

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from nbaccel.training import data
 from nbaccel.training.accumulation import GradientState
-from nbaccel.training.random import check_rng_types
+from nbaccel.training.rng import check_rng_types
 from nbaccel.training.sharding import SeedableRandomSampler
 
 __all__ = ["SeedableRandomSampler", "prepare_data_loader", "seedable"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.training.process import DistributedType
+from nbaccel.training.distributed import DistributedType
 
 __all__ = ["LocalSGD"]
 

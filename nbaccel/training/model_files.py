@@ -24,8 +24,8 @@ import torch
 from nbaccel.core.atomic import atomic_write
 from nbaccel.core.disk_space import OutOfSpaceError, swap_failed
 from nbaccel.training import model_folder
+from nbaccel.training.distributed import env_int
 from nbaccel.training.file_reading import safetensors_load, torch_load
-from nbaccel.training.process import env_int
 from nbaccel.training.torch_files import atomic_save
 
 SAFE_WEIGHTS_NAME, WEIGHTS_NAME = "model.safetensors", "pytorch_model.bin"

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nbaccel.training.process import env_int
+from nbaccel.training.distributed import env_int
 
 __all__ = ["MultiProcessAdapter", "get_logger"]
 

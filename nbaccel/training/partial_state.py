@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from nbaccel.core import xla_runtime
 from nbaccel.training import ops
-from nbaccel.training.accelerator.processes import ProcessControl
+from nbaccel.training.accelerator.collectives import ProcessControl
 from nbaccel.training.accumulation import GradientState
-from nbaccel.training.process import DistributedType, ProcessState, detect_state
+from nbaccel.training.distributed import DistributedType, ProcessState, detect_state
 
 _State = TypeVar("_State", bound="PartialState")
 
@@ -186,6 +186,8 @@ _ACCELERATOR_KEYS = (
     "is_fsdp2",
     "fsdp_plugin",
     "deepspeed_plugin",
+    "parallelism_config",
+    "device_mesh",
 )
 
 
@@ -202,6 +204,8 @@ class AcceleratorState(PartialState):
     strategy = property(lambda self: _SHARED.get("strategy", "ddp"))
     fsdp_plugin = property(lambda self: _SHARED.get("fsdp_plugin"))
     deepspeed_plugin = property(lambda self: _SHARED.get("deepspeed_plugin"))
+    parallelism_config = property(lambda self: _SHARED.get("parallelism_config"))
+    device_mesh = property(lambda self: _SHARED.get("device_mesh"), doc="The ranks' DeviceMesh.")
 
     is_fsdp2 = property(lambda self: _SHARED.get("is_fsdp2", False), doc="nbaccel's FSDP is FSDP2.")
     fork_launched = property(lambda self: False, doc="Ranks come from a fork server, not fork.")

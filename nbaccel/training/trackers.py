@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 from nbaccel.core import capabilities
 from nbaccel.rank import reporting
 from nbaccel.training.accelerator.parts import AcceleratorParts
-from nbaccel.training.options import LoggerType
-from nbaccel.training.process import env_int
+from nbaccel.training.distributed import env_int
+from nbaccel.training.kwargs_handlers import LoggerType
 
 
 def on_main_process(function: Callable[..., Any]) -> Callable[..., Any]:

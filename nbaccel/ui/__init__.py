@@ -4,34 +4,15 @@ A view gets the launch state and each rank's output lines; it decides how often 
 ``choose_view`` picks the widget dashboard where a widget frontend is attached and plain text
 everywhere else (nbclient/nbval, terminal IPython, scripts).
 
-May import: ``nbaccel.core``. Kernel side only: never imported inside a rank.
+May import: ``nbaccel.core`` and ``nbaccel.launch`` (the launch's model, ``launch.state``, and
+the :class:`~nbaccel.launch.protocols.View` protocol its views implement). Kernel side only:
+never imported inside a rank.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from nbaccel.ui.launch_state import LaunchState
-
-
-class View(Protocol):
-    def start(self, state: LaunchState) -> None: ...
-
-    def output(self, rank: int, stream: str, lines: list[str]) -> None:
-        """Complete lines a rank wrote to ``stream`` ("stdout" or "stderr")."""
-
-    def partial(self, rank: int, stream: str, text: str) -> None:
-        """The rank's unfinished last line now ("" when there is none); optional for a view."""
-
-    def update(self) -> None:
-        """The state changed (progress, metrics, status); redraw if it is time to."""
-
-    def settle(self) -> None:
-        """Show now every line held back (a rank paused: what it printed before reads above
-        its pdb); optional for a view."""
-
-    def finish(self) -> None:
-        """The launch is over (any outcome): show the final summary."""
+from nbaccel.core.kernel import in_kernel
+from nbaccel.launch.protocols import View
 
 
 def wants_widgets(progress: bool | str = True) -> bool:
@@ -59,22 +40,6 @@ def choose_view(progress: bool | str = True) -> View:
             return TextView()
         return Dashboard()
     return TextView()
-
-
-def in_kernel() -> bool:
-    """Whether this process is a Jupyter kernel: an ipykernel shell runs here (whichever
-    frontend, if any, is attached). Having imported ``ipykernel`` is not enough: widget code
-    imports it in scripts and test runs too.
-
-    >>> in_kernel()  # a doctest run is no kernel
-    False
-    """
-    import sys
-
-    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
-        return False
-    shell = sys.modules["IPython"].get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def frontend() -> str:

@@ -58,7 +58,7 @@ class BusyBeacon:
 
 def _kernel() -> Any:
     """The ipykernel kernel of this process, or ``None`` (no kernel, or one too old)."""
-    from nbaccel.ui import in_kernel
+    from nbaccel.core.kernel import in_kernel
 
     if not in_kernel():
         return None

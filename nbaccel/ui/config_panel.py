@@ -13,7 +13,7 @@ import html
 import os
 from typing import Any
 
-from nbaccel.core import capabilities, hardware, strategy_registry
+from nbaccel.core import capabilities, hardware, parallelism_settings, strategy_registry
 from nbaccel.core.config import MIXED_PRECISION_CHOICES, ConfigError, LaunchConfig
 
 LABEL_WIDTH = "15em"  # wide enough for "gradient accumulation steps"
@@ -87,6 +87,8 @@ def panel_text(
     lines.append(f"  mixed_precision: {', '.join(marks)}")
     lines.append(f"  strategy: {cfg.strategy} (one of {', '.join(strategy_registry.names())})")
     lines.append(f"  gradient_accumulation_steps: {cfg.gradient_accumulation_steps}")
+    sizes = parallelism_settings.sizes_of(cfg.to_dict())
+    lines.append(f"  parallelism: {', '.join(f'{d}_size={n}' for d, n in sizes.items())}")
     lines.append(f"  config file: {path}")
     lines.append(
         "  change fields on the returned config (cfg.mixed_precision = 'bf16'), then "
@@ -147,6 +149,17 @@ class ConfigPanel:
         self.gradient_accumulation_steps = w.BoundedIntText(
             value=config.gradient_accumulation_steps, min=1, max=4096, layout={"width": "8em"}
         )
+        # N-D parallelism: ParallelismConfig's sizes, one box each (their product: the ranks)
+        self.parallelism = {
+            field: w.BoundedIntText(
+                value=getattr(config, field),
+                min=1,
+                max=4096,
+                description=field.removeprefix("parallelism_config_").removesuffix("_size"),
+                layout={"width": "11em"},
+            )
+            for field in parallelism_settings.ENV
+        }
         self.save_button = w.Button(description="save as default", icon="save")
         self.status = w.HTML(
             "".join(f"<div style='color:#9a6700'>{html.escape(n)}</div>" for n in notes)
@@ -157,6 +170,8 @@ class ConfigPanel:
         self.gradient_accumulation_steps.observe(
             self._on_change("gradient_accumulation_steps"), names="value"
         )
+        for field, box in self.parallelism.items():
+            box.observe(self._on_change(field), names="value")
         self.save_button.on_click(self._on_save)
 
         def row(name: str, *controls: Any) -> Any:
@@ -177,6 +192,7 @@ class ConfigPanel:
                 self.precision_reasons,
                 row("strategy", self.strategy),
                 row("gradient accumulation steps", self.gradient_accumulation_steps),
+                row("parallelism sizes", *self.parallelism.values()),
                 w.HBox([self.save_button, self.status]),
             ]
         )
@@ -192,6 +208,9 @@ class ConfigPanel:
             self.strategy.value = cfg.strategy
         if self.gradient_accumulation_steps.value != cfg.gradient_accumulation_steps:
             self.gradient_accumulation_steps.value = cfg.gradient_accumulation_steps
+        for field, box in self.parallelism.items():
+            if box.value != getattr(cfg, field):
+                box.value = getattr(cfg, field)
         chosen = self.precision.get(cfg.mixed_precision)
         if chosen is not None and not chosen.value and not chosen.disabled:
             chosen.value = True  # its handler clears the others

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nbaccel.launch.state import FAILED, LaunchState
 from nbaccel.ui import panes
 from nbaccel.ui.chart import metrics_charts
-from nbaccel.ui.launch_state import FAILED, LaunchState
 from nbaccel.ui.panes import PaneBuffer
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import summary_html, summary_text
@@ -78,7 +78,7 @@ def _keep_spare(widgets: _Widgets) -> bool:
 
 
 class Dashboard:
-    """The widget view of a launch (see :class:`nbaccel.ui.View`).
+    """The widget view of a launch (see :class:`nbaccel.launch.protocols.View`).
 
     Example::
 

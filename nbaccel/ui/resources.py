@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import time
 
-from nbaccel.ui.launch_state import LaunchState
+from nbaccel.launch.state import LaunchState
 
 INTERVAL = 2.0  # seconds between samples
 GPU_INTERVAL = 5.0  # nvidia-smi is a process start: less often

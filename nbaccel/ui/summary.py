@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import html
 
+from nbaccel.launch.state import LaunchState, RankState
 from nbaccel.ui.formats import format_bytes, format_seconds, format_si
-from nbaccel.ui.launch_state import LaunchState, RankState
 
 TEXT_TAIL = 20  # output lines per rank in the plain-text summary
 SHOWN_LINES = 10  # a rank's last output lines shown in the HTML summary; earlier ones fold
@@ -101,7 +101,7 @@ def waiting_text(state: LaunchState, now: float) -> str:
     """What the launch waits for before its ranks run, with how long it has waited so far
     ("" once it waits for nothing).
 
-    >>> from nbaccel.ui.launch_state import LaunchState
+    >>> from nbaccel.launch.state import LaunchState
     >>> state = LaunchState(None, {}, waiting_for="fork server: importing torch._dynamo")
     >>> state.waiting_since = 100.0
     >>> waiting_text(state, now=101.4)
@@ -193,13 +193,14 @@ def effective_settings(state: LaunchState) -> str:
     seen = {tuple(sorted(r.effective.items())) for r in state.ranks.values() if r.effective}
     if not seen:
         return ""
-    texts = []
+    texts: list[str] = []
     for settings in sorted(seen):
         d = dict(settings)
-        texts.append(
+        text = (
             f"mixed_precision={d.get('mixed_precision')}, strategy={d.get('strategy')}, "
             f"device={d.get('device')}"
         )
+        texts += [text] if text not in texts else []  # ranks differ in their mesh place only
     return "ranks run: " + " | ".join(texts)
 
 
@@ -224,10 +225,10 @@ def banner(state: LaunchState) -> str:
     code), forkserver, 127.0.0.1:29500``
     """
     info = state.info
-    text = info.describe()
-    return text.replace(
+    text = info.describe().replace(
         f"strategy={info.strategy},", f"strategy={info.strategy} (unless set in code),", 1
     )
+    return f"{text}, {state.attempt_text()}" if state.attempts > 1 else text
 
 
 def settings_changed(state: LaunchState) -> str:
@@ -242,7 +243,14 @@ def settings_changed(state: LaunchState) -> str:
         for key in ("strategy", "mixed_precision")
         if first.get(key) and first[key] != str(getattr(state.info, key))
     ]
+    if first.get("parallelism") and first["parallelism"] != state.info.parallelism:
+        changed.append(first["parallelism"])  # "dp_shard 2 × tp 2", set in the function
     return ", ".join(changed)
+
+
+def role(rank: RankState) -> str:
+    """A rank's place in the N-D mesh ("dp_shard 1, tp 0"), "" without one."""
+    return rank.effective.get("coordinates", "") if rank.effective else ""
 
 
 def _rows(state: LaunchState, now: float) -> tuple[list[str], list[list[str]]]:
@@ -252,14 +260,15 @@ def _rows(state: LaunchState, now: float) -> tuple[list[str], list[list[str]]]:
     with_progress = any(r.bars for r in ranks)
     with_memory = any(r.rss is not None or r.gpu_memory is not None for r in ranks)
     with_metrics = any(r.metrics for r in ranks)
-    header = ["rank", "status"] + ["progress", "rate"] * with_progress
+    with_role = any(role(r) for r in ranks)
+    header = ["rank"] + ["role"] * with_role + ["status"] + ["progress", "rate"] * with_progress
     header += ["memory"] * with_memory + ["elapsed"] + ["metrics"] * with_metrics
     rows = []
     for rank in ranks:
-        status = str(rank.shown_status) + compiling_note(rank, now)
+        status = rank.status_text + compiling_note(rank, now)
         status += f" ({STRAGGLER_MARK})" if rank.rank in slow else ""
         status += f": {rank.error_line}" if rank.error_line else ""
-        row = [str(rank.rank), status]
+        row = [str(rank.rank)] + [role(rank) or "-"] * with_role + [status]
         row += [format_count(rank), format_rate(rank, now)] * with_progress
         row += [format_memory(rank)] * with_memory + [format_seconds(rank.elapsed(now))]
         row += [format_metrics(rank.metrics) or "-"] * with_metrics

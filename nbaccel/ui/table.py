@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import html
 
+from nbaccel.launch.state import FAILED, LaunchState, RankState
 from nbaccel.ui.formats import format_seconds
-from nbaccel.ui.launch_state import FAILED, LaunchState, RankState
 from nbaccel.ui.summary import (
     CELL,
     STATUS_COLOURS,
@@ -22,6 +22,7 @@ from nbaccel.ui.summary import (
     format_memory,
     format_metrics,
     format_rate,
+    role,
     run_line,
     stall_text,
     waiting_text,
@@ -57,9 +58,16 @@ def header_html(state: LaunchState, now: float) -> str:
         ("devices", f"{devices} ({info.backend})"),
         ("precision", precision),
         ("strategy", strategy),
+        *(
+            [("mesh", first.get("parallelism") or info.parallelism)]
+            if first.get("parallelism") or info.parallelism
+            else []
+        ),
         ("grad. accumulation", accumulation),
         ("elapsed", format_seconds(state.elapsed(now))),
     ]
+    if state.attempts > 1:  # a launch with restarts: which one this view is
+        items.insert(0, ("attempt", f"{state.attempt} of {state.attempts}"))
     cells = " · ".join(f"{k} <b>{html.escape(str(v))}</b>" for k, v in items)
     if waiting:  # the first seconds of a launch: say what they go to, the clock ticking
         cells += f" · <span class='nbaccel-waiting'>waiting for {html.escape(waiting)}</span>"
@@ -92,9 +100,11 @@ def row_html(
         if straggler
         else ""
     )
+    place = role(rank)
     cells = [
-        f"rank {rank.rank}",
-        f"<span style='color:{colour};font-weight:600'>{rank.shown_status}</span>"
+        f"rank {rank.rank}"
+        + (f" <span class='nbaccel-role'>· {html.escape(place)}</span>" if place else ""),
+        f"<span style='color:{colour};font-weight:600'>{rank.status_text}</span>"
         f"{html.escape(compiling_note(rank, now))}{mark}",
         html.escape(format_count(rank)),
         meter,

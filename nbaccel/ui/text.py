@@ -5,11 +5,12 @@ scripts."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
+from nbaccel.launch.state import DEFAULT_LINE_PREFIX, LaunchState, line_label
 from nbaccel.ui.budget import OutputBudget
-from nbaccel.ui.launch_state import DEFAULT_LINE_PREFIX, LaunchState, line_label
 from nbaccel.ui.resources import MemorySampler
 from nbaccel.ui.summary import (
     STRAGGLER_MARK,
@@ -149,10 +150,12 @@ class TextView:
         if not stall:
             self._stall_shown, self._stall_reprint_at = "", 0.0
             return
-        quiet = state.stalled_for(now) or 0.0
+        quiet = state.stalled_for(now)
         where = stall.split("\n", 1)[-1]
-        if where != self._stall_shown or quiet >= self._stall_reprint_at:
-            self._stall_shown, self._stall_reprint_at = where, 2 * quiet
+        if where != self._stall_shown or (quiet is not None and quiet >= self._stall_reprint_at):
+            # A paused rank (no stall: the launch holds still) is said once, while it stays.
+            self._stall_shown = where
+            self._stall_reprint_at = math.inf if quiet is None else 2 * quiet
             _say(f"nbaccel: {stall}")
 
     def _print_waiting(self, now: float) -> None:

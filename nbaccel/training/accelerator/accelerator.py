@@ -34,16 +34,18 @@ from torch.utils.data import DataLoader
 from nbaccel.core.config import ENV_GRADIENT_ACCUMULATION_STEPS, ENV_MIXED_PRECISION, ENV_STRATEGY
 from nbaccel.rank import settings_report
 from nbaccel.training import data, data_compat
+from nbaccel.training.accelerator import mesh_setup
 from nbaccel.training.accelerator import pickling as accelerator_pickling
-from nbaccel.training.accelerator.options import resolve_options
-from nbaccel.training.accelerator.processes import ProcessControl
+from nbaccel.training.accelerator.arguments import resolve_options
+from nbaccel.training.accelerator.collectives import ProcessControl
+from nbaccel.training.accelerator.mesh import MeshFacts
 from nbaccel.training.accelerator.saving import Saving
 from nbaccel.training.accelerator.step import TrainingStep
 from nbaccel.training.accumulation import GradientState
-from nbaccel.training.options import LoggerType
+from nbaccel.training.distributed import DistributedType, detect_state
+from nbaccel.training.kwargs_handlers import LoggerType
 from nbaccel.training.partial_state import AcceleratorState
 from nbaccel.training.precision import select_precision
-from nbaccel.training.process import DistributedType, detect_state
 from nbaccel.training.registry import PreparedObjects, Registry
 from nbaccel.training.strategies import PreparedOptimizer, PreparedScheduler, select_strategy
 from nbaccel.training.strategies.prepared import PREPARED_MARK
@@ -52,13 +54,14 @@ from nbaccel.training.trackers import GeneralTracker, Tracking
 if TYPE_CHECKING:
     from nbaccel.training.deepspeed_plugin import DeepSpeedPlugin
     from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
-    from nbaccel.training.options import (
+    from nbaccel.training.kwargs_handlers import (
         DataLoaderConfiguration,
         GradientAccumulationPlugin,
         KwargsHandler,
         ProjectConfiguration,
         RNGType,
     )
+    from nbaccel.training.parallelism_config import ParallelismConfig
 
 # A tracker for ``log_with``: a name ("tensorboard", "all"), a LoggerType, or a tracker object.
 TrackerChoice = str | LoggerType | GeneralTracker
@@ -67,7 +70,7 @@ _PREPARED = PREPARED_MARK
 _UNSET: Any = object()  # "not given", so dataloader_config can supply split_batches
 
 
-class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
+class Accelerator(ProcessControl, TrainingStep, Saving, Tracking, MeshFacts):
     """Training on whatever this process was launched on: kernel, notebook_launcher, torchrun.
 
     Arguments left as ``None`` take the launcher's settings (``NBACCEL_*`` variables), else the
@@ -120,7 +123,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         dynamo_backend: str | None = None,  # torch.compile's backend name, e.g. "inductor"
         dynamo_plugin: object = None,  # anything with a ``backend`` name (a TorchDynamoPlugin)
         deepspeed_plugins: object = None,
-        parallelism_config: object = None,
+        parallelism_config: ParallelismConfig | None = None,
         *,
         even_batches: bool | None = None,
         dispatch_batches: bool | None = None,
@@ -130,7 +133,6 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             ("deepspeed_plugins", deepspeed_plugins),
             ("torch_tp_plugin", torch_tp_plugin),
             ("megatron_lm_plugin", megatron_lm_plugin),
-            ("parallelism_config", parallelism_config),
         ):
             if value is not None:
                 raise NotImplementedError(
@@ -170,6 +172,11 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             strategy = "deepspeed"
         process = detect_state(cpu=cpu, init_kwargs=opts.init_handler)
         self._strategy = select_strategy(strategy, process, fsdp_plugin, deepspeed_plugin)
+        self._parallelism, self._mesh = mesh_setup.build(parallelism_config, process)
+        if self._mesh is not None and self._parallelism is not None:
+            self._strategy = mesh_setup.strategy(
+                self._parallelism, self._mesh, process, self._strategy, fsdp_plugin
+            )
         self._strategy.ddp_handler = opts.ddp_handler
         # An engine that casts and scales itself (DeepSpeed) replaces autocast and the scaler.
         self._precision = self._strategy.adapt_precision(
@@ -188,6 +195,8 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             is_fsdp2=self._strategy.is_fsdp2,
             fsdp_plugin=self.fsdp_plugin,
             deepspeed_plugin=self.deepspeed_plugin,
+            parallelism_config=self._parallelism,
+            device_mesh=self._mesh,
         )
         self._gs = GradientState(
             accumulation_steps=opts.steps,
@@ -198,7 +207,11 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
         )
         self.gradient_state = self._gs  # Accelerate's public name for the same object
         settings_report.report_settings(
-            self.mixed_precision, self.strategy, str(self.device), opts.steps
+            self.mixed_precision,
+            self.strategy,
+            str(self.device),
+            opts.steps,
+            **self._mesh_report(),
         )
         self.device_placement = device_placement
         self.dataloader_config = opts.dataloader_config
@@ -433,7 +446,7 @@ class Accelerator(ProcessControl, TrainingStep, Saving, Tracking):
             data_loader = data_compat.seedable(data_loader, cfg.data_seed)
         loader = data.loader_class(data_loader, cfg.dispatch_batches)(
             data_loader,
-            self.state,
+            self._data_parallel_state(),  # the data-parallel ranks: a tp group shares batches
             self._gs,
             split_batches=cfg.split_batches,
             even_batches=cfg.even_batches,

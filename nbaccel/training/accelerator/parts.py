@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nbaccel.training.accelerator.processes import ProcessFacts
+from nbaccel.training.accelerator.collectives import ProcessFacts
 from nbaccel.training.accumulation import GradientState
 
 if TYPE_CHECKING:
-    from nbaccel.training.options import (
+    from nbaccel.training.kwargs_handlers import (
         AutocastKwargs,
         DataLoaderConfiguration,
         ProfileKwargs,

@@ -200,7 +200,8 @@ class Saving(AcceleratorParts):
             found = _numbered(self._checkpoints_root())
             if not found:
                 raise FileNotFoundError(
-                    f"no checkpoint_<i> folder in {self.project_dir}/checkpoints."
+                    f"no checkpoint_<i> folder in {self.project_dir}/checkpoints; "
+                    "accelerator.resume() loads one only where there is one."
                 )
             target = found[-1][1]
         else:
@@ -209,6 +210,42 @@ class Saving(AcceleratorParts):
         # new process sets project_configuration.iteration itself before it saves again.
         path = checkpoint.load_state(self, target, list(self._load_model_state_pre_hook.values()))
         return str(path)
+
+    def resume(self) -> str | None:
+        """Load the project's newest checkpoint if there is one, and go on numbering after it:
+        the one line that makes a training function resume, whether its ranks were restarted
+        (``max_restarts``), the cell was run again after a failure or a stop, or the kernel is
+        new. Call it on every rank after ``prepare`` (and ``register_for_checkpointing``).
+        Returns the folder loaded, or ``None`` when there is none yet (a first run).
+
+        With ``automatic_checkpoint_naming`` it loads the highest ``checkpoints/checkpoint_<i>``
+        (a save killed midway left only a hidden ``.checkpoint_<i>.partial``, never read) and
+        sets ``project_configuration.iteration`` to ``i + 1``, so the next ``save_state()``
+        writes ``checkpoint_<i+1>``; otherwise it loads ``<project_dir>/checkpoint``. nbaccel's
+        addition: Accelerate's ``load_state()`` leaves the counter for the script to set.
+
+        Example::
+
+            accelerator = Accelerator(project_config=ProjectConfiguration(
+                "run", automatic_checkpoint_naming=True))
+            model, optimizer = accelerator.prepare(model, optimizer)
+            accelerator.register_for_checkpointing(counter)
+            accelerator.resume()   # None on the first run; then the loop, save_state() ...
+        """
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming:
+            found = _numbered(self._checkpoints_root())
+            if not found:
+                return None
+            number, target = found[-1]
+        else:
+            target = self._checkpoint_dir(None)
+            if not target.is_dir():
+                return None
+        path = self.load_state(target)
+        if config.automatic_checkpoint_naming:
+            config.iteration = max(config.iteration, number + 1)
+        return path
 
     def _checkpoint_dir(self, directory: Any) -> Path:
         if directory is not None:
@@ -233,7 +270,9 @@ class Saving(AcceleratorParts):
         if target.exists():
             raise ValueError(
                 f"checkpoint folder {target} already exists; set "
-                "accelerator.project_configuration.iteration to the next free number."
+                "accelerator.project_configuration.iteration to the next free number, or "
+                "resume with accelerator.resume(), which loads the newest checkpoint and "
+                "numbers the next one after it."
             )
         limit = self.project_configuration.total_limit
         if self.is_main_process and limit is not None:

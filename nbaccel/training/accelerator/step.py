@@ -16,8 +16,8 @@ import torch
 
 from nbaccel.training import data
 from nbaccel.training.accelerator.parts import AcceleratorParts
+from nbaccel.training.kwargs_handlers import AutocastKwargs, ProfileKwargs
 from nbaccel.training.memory import release_memory
-from nbaccel.training.options import AutocastKwargs, ProfileKwargs
 
 
 class TrainingStep(AcceleratorParts):

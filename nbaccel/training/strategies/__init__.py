@@ -8,7 +8,7 @@ registers it by name (:func:`nbaccel.core.strategy_registry.register`); the conf
 command line, the config panel, the capability checks and :func:`select_strategy` read that
 registry, and the Accelerator only calls the interface.
 
->>> from nbaccel.training.process import detect_state
+>>> from nbaccel.training.distributed import detect_state
 >>> select_strategy("ddp", detect_state(cpu=True)).name
 'ddp'
 """
@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from nbaccel.core import strategy_registry
-from nbaccel.training.process import ProcessState
+from nbaccel.training.distributed import ProcessState
 from nbaccel.training.strategies.base import Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer, PreparedScheduler
 

@@ -8,7 +8,7 @@ optimizer. The defaults suit a plain model on one device; a strategy overrides w
 
 >>> import torch
 >>> from nbaccel.training.accumulation import GradientState
->>> from nbaccel.training.process import detect_state
+>>> from nbaccel.training.distributed import detect_state
 >>> from nbaccel.training.precision import Precision
 >>> strategy = Strategy(detect_state(cpu=True))
 >>> loss = torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum()
@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader
 from nbaccel.training import deepspeed_dummies
 from nbaccel.training.accumulation import GradientState
 from nbaccel.training.data import PreparedDataLoader
+from nbaccel.training.distributed import DistributedType, ProcessState
 from nbaccel.training.file_reading import torch_load
 from nbaccel.training.precision import Precision
-from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.prepared import PreparedOptimizer
 
 

@@ -5,7 +5,7 @@ With one process the model is only moved to the device; with several it is wrapp
 ``extract_model_from_parallel`` takes the wrapper off again (Accelerate's free function).
 
 >>> import torch
->>> from nbaccel.training.process import detect_state
+>>> from nbaccel.training.distributed import detect_state
 >>> s = DDPStrategy(detect_state(cpu=True))
 >>> type(s.setup_module(torch.nn.Linear(2, 2))).__name__     # one process: no wrapper
 'Linear'

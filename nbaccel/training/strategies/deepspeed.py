@@ -36,8 +36,8 @@ from nbaccel.training.deepspeed_plugin import (
     import_deepspeed,
     join_process_group,
 )
+from nbaccel.training.distributed import DistributedType, ProcessState
 from nbaccel.training.precision import Precision
-from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.base import Prepared, Preparer, Strategy
 from nbaccel.training.strategies.prepared import PreparedOptimizer
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from nbaccel.training.distributed import DistributedType, ProcessState
 from nbaccel.training.fsdp_plugin import FullyShardedDataParallelPlugin
-from nbaccel.training.process import DistributedType, ProcessState
 from nbaccel.training.strategies.base import Strategy
 from nbaccel.training.strategies.sharded_files import save_sharded_model, save_sharded_optimizer
 
@@ -149,15 +149,20 @@ class FSDPStrategy(Strategy):
 
     # -- full state dicts (get_state_dict, save_model, FULL_STATE_DICT checkpoints) ----------
 
+    def holds_shards(self, module: torch.nn.Module | None) -> TypeGuard[torch.nn.Module]:
+        """Whether ``module``'s full state is gathered from shards (torch's state-dict
+        functions) rather than read as it is."""
+        return isinstance(module, FSDPModule)
+
     def model_state_dict(self, module: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        if not isinstance(module, FSDPModule):
+        if not self.holds_shards(module):
             return module.state_dict()
         # A collective: every rank calls it (rank 0 alone gets it with state_dict_config's
         # offload_to_cpu/rank0_only, as Accelerate's FSDP2 gathering).
         return get_model_state_dict(module, options=self.plugin.state_dict_options())
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
-        if not isinstance(module, FSDPModule):
+        if not self.holds_shards(module):
             module.load_state_dict(state)
             return
         set_model_state_dict(module, state, options=_FULL)
@@ -165,7 +170,7 @@ class FSDPStrategy(Strategy):
     def optimizer_state_dict(
         self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        if not isinstance(module, FSDPModule):
+        if not self.holds_shards(module):
             return optimizer.state_dict()
         options = self.plugin.state_dict_options(optimizer=True)
         return get_optimizer_state_dict(module, optimizer, options=options)
@@ -176,7 +181,7 @@ class FSDPStrategy(Strategy):
         optimizer: torch.optim.Optimizer,
         state: dict[str, Any],
     ) -> None:
-        if not isinstance(module, FSDPModule):
+        if not self.holds_shards(module):
             optimizer.load_state_dict(state)
             return
         set_optimizer_state_dict(module, optimizer, state, options=_FULL)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.training.process import ProcessState
+from nbaccel.training.distributed import ProcessState
 from nbaccel.training.strategies.base import Strategy
 
 

@@ -12,7 +12,7 @@ Other processes the server forks (a script's own forkserver children share it) p
 
 Example (in the fork server only; a no-op anywhere else)::
 
-    import nbaccel.rank.launching_script  # a rank named "nbaccel-rank0" skips __main__
+    import nbaccel.forkserver.launching_script  # a rank named "nbaccel-rank0" skips __main__
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import multiprocessing.spawn
 from collections.abc import Mapping
 from typing import Any
 
-from nbaccel.core.processes import RANK_PROCESS_PREFIX
+from nbaccel.core.process_table import RANK_PROCESS_PREFIX
 from nbaccel.forkserver.guard import in_fork_server
 
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")

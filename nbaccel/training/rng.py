@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nbaccel.training.process import env_int
+from nbaccel.training.distributed import env_int
 
 _np: Any
 try:

@@ -26,8 +26,8 @@ from typing import Any
 
 import psutil
 
-from nbaccel.core import processes
-from nbaccel.core.processes import describe
+from nbaccel.core import process_table
+from nbaccel.core.process_table import describe
 
 
 class LiveRanks:
@@ -96,7 +96,7 @@ def server_strays(servers: set[int], live: set[int]) -> list[psutil.Process]:
 def _strays_of(pid: int, live: set[int]) -> list[psutil.Process]:
     try:
         server_sid = os.getsid(pid)
-        pids = processes.child_pids(pid)
+        pids = process_table.child_pids(pid)
         children = psutil.Process(pid).children() if pids is None else _processes(pids)
     except (OSError, psutil.Error):
         return []
@@ -134,11 +134,11 @@ def sweep(rank_pids: set[int], servers: set[int], live: LiveRanks) -> list[tuple
     for _ in range(10):
         strays = server_strays(servers, live.pids())
         found = [p for p in session_members(rank_pids) + strays if p.pid not in killed]
-        found = [p for p in found if processes.alive(p)]
+        found = [p for p in found if process_table.alive(p)]
         if not found:
             break
         killed.update((p.pid, describe(p)) for p in found)
-        processes.signal_all(found, signal.SIGKILL)
+        process_table.signal_all(found, signal.SIGKILL)
         psutil.wait_procs(found, timeout=1.0)
     return sorted(killed.items())
 

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pickle
 
-from nbaccel.launch.child_failed import fill_failures, rank_failed_class
+from nbaccel.core.child_failed import fill_failures, rank_failed_class
 
 
 class UsageError(Exception):
     """A command-line flag or file cannot work; nothing was started. The message says why."""
 
 
-class Interrupted(KeyboardInterrupt):
+class UserInterrupt(KeyboardInterrupt):
     """Stop, Ctrl-C or pdb's ``q`` ended a launch or a ``%%ranks`` cell; the message says what
     was stopped and what lives on. A ``KeyboardInterrupt`` as the notebook names it (``ename``),
     shown as that one line: the frames under it (``Launch._attempt``, the magic, the cell's
     ``get_ipython().run_cell_magic(...)``) are nbaccel's, not the user's.
 
-    >>> Interrupted("launch interrupted; all 2 ranks were stopped")._render_traceback_()
+    >>> UserInterrupt("launch interrupted; all 2 ranks were stopped")._render_traceback_()
     ['KeyboardInterrupt: launch interrupted; all 2 ranks were stopped']
-    >>> isinstance(Interrupted(), KeyboardInterrupt), type(Interrupted()).__name__
+    >>> isinstance(UserInterrupt(), KeyboardInterrupt), type(UserInterrupt()).__name__
     (True, 'KeyboardInterrupt')
     """
 
@@ -29,7 +29,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 # What a notebook's error names (ipykernel's ename, IPython's header): what was pressed.
-Interrupted.__name__ = Interrupted.__qualname__ = "KeyboardInterrupt"
+UserInterrupt.__name__ = UserInterrupt.__qualname__ = "KeyboardInterrupt"
 
 
 class LaunchError(RuntimeError):
@@ -62,7 +62,7 @@ class RankFailedError(LaunchError):
             message.
 
     Where torch elastic's errors module is loaded (code that says ``except ChildFailedError``,
-    as written for Accelerate), the error is a ``ChildFailedError`` too (``launch.child_failed``).
+    as written for Accelerate), the error is a ``ChildFailedError`` too (``core.child_failed``).
 
     >>> import os, nbaccel
     >>> def train():

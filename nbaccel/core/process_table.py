@@ -8,7 +8,7 @@ import os
 import psutil
 
 # The multiprocessing name of a rank's process: "nbaccel-rank0", ... (the fork server knows its
-# ranks by it: rank.launching_script).
+# ranks by it: forkserver.launching_script).
 RANK_PROCESS_PREFIX = "nbaccel-rank"
 
 # Command lines a process forked without exec inherits: the ordinary fork server's, and the

@@ -1,8 +1,11 @@
-"""``notebook_launcher``: run a function on N ranks from a notebook cell (or a script).
+"""``notebook_launcher``: run a function on N ranks from a notebook cell (or a script), at
+Accelerate's module path (``accelerate.launchers``).
 
-Two steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and serializes the job
+The one place a launch meets its views: it picks the view (``nbaccel.ui.choose_view``) and the
+kernel's busy signal and hands them to the launch, which knows views only by their protocol
+(``launch.protocols.View``), so ``launch/`` stays below ``ui/``. Two steps: :func:`~nbaccel.launch.plan.resolve_plan` checks everything and serializes the job
 before anything starts (bad input never leaves a half-started launch), then
-:class:`~nbaccel.launch.launch.Launch` runs it: here (``Launch(plan).run()``, rank 0's value)
+:class:`~nbaccel.launch.handle.Launch` runs it: here (``Launch(plan).run()``, rank 0's value)
 or, with ``block=False``, in the background (the ``Launch`` is returned at once).
 """
 
@@ -13,11 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbaccel.core.config import LaunchConfig
-from nbaccel.launch.launch import Launch
+from nbaccel.launch.handle import Launch
 from nbaccel.launch.options import UNSET, LaunchOptions
 from nbaccel.launch.plan import resolve_plan
-from nbaccel.launch.protocols import Cluster
-from nbaccel.ui import View
+from nbaccel.launch.protocols import Cluster, View
+from nbaccel.ui import choose_view
+from nbaccel.ui.busy import BusyBeacon
 
 
 def notebook_launcher(
@@ -68,7 +72,7 @@ def notebook_launcher(
     where each rank was. ``progress``: True (dashboard where widgets render, text elsewhere),
     "text", or False. ``preload`` names modules the fork server imports once so ranks start
     with them. ``env`` adds (or, with None, removes) the ranks' environment variables.
-    ``block=False`` returns a :class:`~nbaccel.launch.launch.Launch` at once and trains in the
+    ``block=False`` returns a :class:`~nbaccel.launch.handle.Launch` at once and trains in the
     background while other cells run: ``.result()`` waits for rank 0's value (or raises the
     launch's error), ``.stop()``, ``.done()``, ``.status``, ``.metrics()``, ``await launch``
     (see docs/background_launches.md). ``cluster=nbaccel.RayCluster(...)`` runs the
@@ -155,7 +159,8 @@ def launch(
         if os.environ.get("NBACCEL_DEBUG") or not _raised_by_nbaccel(exc):
             raise  # a library's error inside the checks (a bug, or its own): its frames matter
         _raise_short(exc)
-    handle = Launch(plan, options)
+    views = lambda: choose_view(options.progress)  # noqa: E731 - a fresh view per attempt
+    handle = Launch(plan, options, make_view=views, busy=BusyBeacon)
     return handle.run() if options.block else handle.start()
 
 

@@ -7,7 +7,7 @@ group, which holds the fork server its ranks start from, and ``relay``, which re
 the view), and follows the ranks with the event loop (``launch.loop``) and a :class:`RunJob`,
 whose policies are a launch's: the first failure stops the other ranks; the timeout collects every
 live rank's stack and raises; ``.stop()`` stops them all. Whatever happens, every rank is reaped
-and what the ranks left running is swept (``launch.containment``) before the attempt returns.
+and what the ranks left running is swept (``core.containment``) before the attempt returns.
 
 Blocking, ``Launch(plan).run()`` is ``notebook_launcher``. In the background
 (``notebook_launcher(..., block=False)``) the same run happens in a thread, in the launching
@@ -19,35 +19,36 @@ awaitable, whose ``result()`` raises a failed launch's error without the library
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
+import queue
 import sys
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
 from nbaccel.core import mp_internals, shared_tensors
-from nbaccel.core.local_traceback import with_cell_names
-from nbaccel.launch import loop, root_cause
-from nbaccel.launch.containment import sigint_deferred
-from nbaccel.launch.errors import (
-    Interrupted,
+from nbaccel.core.containment import sigint_deferred
+from nbaccel.core.errors import (
     LaunchStoppedError,
     LaunchTimeoutError,
     RankFailedError,
+    UserInterrupt,
 )
+from nbaccel.core.local_traceback import with_cell_names
+from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit
 from nbaccel.launch.group import STOP_GRACE, RankProcess
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import LaunchOptions
 from nbaccel.launch.plan import DEFAULTS, LaunchPlan
-from nbaccel.launch.protocols import RankGroup
+from nbaccel.launch.protocols import RankGroup, View
 from nbaccel.launch.relay import Relay, load_payload
-from nbaccel.ui import choose_view
-from nbaccel.ui.busy import BusyBeacon
-from nbaccel.ui.launch_state import LaunchState, Outcome
-from nbaccel.ui.launch_state import RankStatus as Status
+from nbaccel.launch.state import LaunchState, Outcome
+from nbaccel.launch.state import RankStatus as Status
 
 AWAIT_POLL = 0.1  # s between looks at a background launch that a cell awaits
 
@@ -61,19 +62,24 @@ class RunJob:
         timeout: float | None,
         stopping: threading.Event,
         entry_file: str | None = None,
+        stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] | None = None,
     ) -> None:
         self.relay, self.group, self.state = relay, relay.group, relay.state
         self.timeout = timeout
         self.stopping = stopping  # set by Launch.stop (another thread)
-        self.entry_file = entry_file  # where a cluster's rank processes start (root_cause)
+        self.entry_file = entry_file  # where a cluster's rank processes start (launch.failures)
+        # Launch.stacks() of another thread: answered here, where the ranks' pipes are read
+        self.stack_requests = stack_requests or queue.SimpleQueue()
 
     def finished(self) -> bool:
-        return all(rank.done for rank in self.state.ranks.values())
+        # A failed rank is done, but its copy for %debug follows its failure (until it exits)
+        return all(rank.done for rank in self.state.ranks.values()) and not self.relay.copying
 
     def on_reply(self, r: RankProcess) -> None:  # a launch has no command connections
         pass
 
     def on_exit(self, r: RankProcess, code: int | None) -> None:
+        self.relay.copying.discard(r.rank)  # what it sent is read (drained) by now
         rank = self.state.ranks[r.rank]
         rank.exitcode = code
         if r.rank not in self.relay.payloads or rank.ended_at is None:
@@ -91,7 +97,7 @@ class RunJob:
             if code == 255 and self._server_gone(r):
                 # multiprocessing's stand-in status: the server that reports it is gone
                 what = "ended when its fork server died (its own exit status is unknown)"
-            crash = root_cause.without_plumbing(rank.diag.strip(), self.entry_file)
+            crash = failures.without_plumbing(rank.diag.strip(), self.entry_file)
             error = RankFailedError(r.rank, self.state.info.world_size, what, crash, exitcode=code)
             self.relay.record_failure(r.rank, error, what)
 
@@ -103,6 +109,10 @@ class RunJob:
 
     def check(self) -> None:
         self.group.notice_unreported()  # ranks ended under a fork server that hung
+        while not self.stack_requests.empty():
+            request = self.stack_requests.get_nowait()
+            if request.set_running_or_notify_cancel():
+                request.set_result(self.stacks(self.group.alive()))
         if self.relay.failures or self.stopping.is_set():
             self.group.begin_stop(STOP_GRACE)  # the other ranks (or all); idempotent
         self.group.poll_stop()
@@ -111,12 +121,17 @@ class RunJob:
         if self.relay.failures:  # the failure ends the launch; it is what to report
             return
         alive = self.group.alive()
-        stacks = {  # a cell's frames named as its traceback names them: Cell In[n]
-            k: with_cell_names(root_cause.without_plumbing(v, self.entry_file))
-            for k, v in self.relay.stacks_now(alive).items()
-        }
+        stacks = self.stacks(alive)
         self.state.outcome = Outcome.TIMED_OUT
         raise LaunchTimeoutError(self.timeout or 0.0, sorted(r.rank for r in alive), stacks)
+
+    def stacks(self, alive: list[RankProcess]) -> dict[int, str]:
+        """Each of ``alive``'s Python stacks now, a cell's frames named as its traceback names
+        them (``Cell In[n]``) and nbaccel's own left out."""
+        return {
+            k: with_cell_names(failures.without_plumbing(v, self.entry_file))
+            for k, v in self.relay.stacks_now(alive).items()
+        }
 
     def on_interrupt(self) -> None:
         raise KeyboardInterrupt
@@ -186,14 +201,29 @@ class Launch(concurrent.futures.Future[Any]):
     9.0
     """
 
-    def __init__(self, plan: LaunchPlan, options: LaunchOptions = DEFAULTS) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        options: LaunchOptions = DEFAULTS,
+        *,
+        make_view: Callable[[], View] | None = None,
+        busy: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
+        """``make_view`` makes each attempt's view when ``options.view`` is None; ``busy``
+        wraps a blocking run (the kernel shown busy): the launcher gives both, from ``ui``."""
         super().__init__()
+        if options.view is None and make_view is None:
+            raise ValueError("a Launch needs a view: options.view or make_view")
         self.plan, self.options = plan, options
+        self._make_view, self._busy = make_view, busy
         # The current attempt's ranks, from their start to their teardown (None before)
         self.lifecycle: RankLifecycle | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._first: RankLifecycle | None = None  # a background launch's, shown by start()
+        self._stack_requests: queue.SimpleQueue[concurrent.futures.Future[dict[int, str]]] = (
+            queue.SimpleQueue()
+        )
         self._error_traceback: TracebackType | None = None
 
     @property
@@ -218,7 +248,7 @@ class Launch(concurrent.futures.Future[Any]):
         """Run the launch to its end here; rank 0's value (every rank's with ``return_all``)."""
         __tracebackhide__ = True
         try:
-            with BusyBeacon():  # in a kernel's main thread: the cell is busy to the end
+            with self._busy():  # in a kernel's main thread: the cell is busy to the end
                 payloads = self._attempts()
             if self.options.return_all:
                 return [load_payload(s.rank, payloads.get(s.rank)) for s in self.plan.specs]
@@ -267,7 +297,7 @@ class Launch(concurrent.futures.Future[Any]):
         __tracebackhide__ = True
         for restart in range(1, self.plan.max_restarts + 1):
             try:
-                return self._attempt()
+                return self._attempt(restart - 1)
             except RankFailedError as exc:
                 if self._stopping.is_set():
                     raise
@@ -278,12 +308,13 @@ class Launch(concurrent.futures.Future[Any]):
                     file=sys.stderr,
                     flush=True,
                 )
-        return self._attempt()
+        return self._attempt(self.plan.max_restarts)
 
-    def _attempt(self) -> dict[int, bytes | None]:
-        """Start the planned ranks and follow them to the end; return their payloads."""
+    def _attempt(self, restart: int) -> dict[int, bytes | None]:
+        """Start the planned ranks (after ``restart`` restarts) and follow them to the end;
+        return their payloads."""
         __tracebackhide__ = True
-        life, self._first = self._first or self._lifecycle(), None
+        life, self._first = self._first or self._lifecycle(restart), None
         self.lifecycle = life
         try:
             relay = life.start()
@@ -294,12 +325,17 @@ class Launch(concurrent.futures.Future[Any]):
         except KeyboardInterrupt:
             # Every rank is stopped and reaped by now; the loop's frames would only be noise.
             n = len(self.plan.specs)
-            raise Interrupted(f"launch interrupted; all {n} ranks were stopped") from None
+            raise UserInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
 
-    def _lifecycle(self) -> RankLifecycle:
-        """An attempt's ranks, with a fresh view."""
-        o = self.options
-        return RankLifecycle(self.plan, o.view if o.view is not None else choose_view(o.progress))
+    def _lifecycle(self, restart: int = 0) -> RankLifecycle:
+        """The ranks of the attempt after ``restart`` restarts, with a fresh view."""
+        view = self.options.view
+        if view is None:
+            assert self._make_view is not None  # checked in __init__
+            view = self._make_view()
+        life = RankLifecycle(self.plan.attempt(restart), view)
+        life.state.attempt, life.state.attempts = restart + 1, self.plan.max_restarts + 1
+        return life
 
     def _follow(self, life: RankLifecycle, relay: Relay) -> dict[int, bytes | None]:
         """The loop with a :class:`RunJob`; then the teardown, whatever happened."""
@@ -307,7 +343,8 @@ class Launch(concurrent.futures.Future[Any]):
         try:
             cluster = self.plan.cluster
             entry_file = cluster.rank_entry_file if cluster is not None else None
-            loop.follow(relay, RunJob(relay, self.plan.timeout, self._stopping, entry_file))
+            job = RunJob(relay, self.plan.timeout, self._stopping, entry_file, self._stack_requests)
+            loop.follow(relay, job)
             state.outcome = Outcome.FAILED if relay.failures else Outcome.FINISHED
         except BaseException:
             state.outcome, failing = state.outcome or Outcome.INTERRUPTED, True
@@ -362,6 +399,27 @@ class Launch(concurrent.futures.Future[Any]):
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def stacks(self, timeout: float = 10.0) -> dict[int, str]:
+        """Each running rank's Python stack now, every thread (as a timeout reports them):
+        where a background launch is, without stopping it. ``{rank: text}``; ``{}`` once the
+        launch has ended.
+
+        Example::
+
+            launch = nbaccel.notebook_launcher(train, num_processes=2, block=False)
+            print(launch.stacks()[1])   # where rank 1 is now: its threads, innermost call last
+        """
+        request: concurrent.futures.Future[dict[int, str]] = concurrent.futures.Future()
+        self._stack_requests.put(request)  # answered by the launch's loop, which reads the pipes
+        deadline = time.monotonic() + timeout
+        while not request.done():
+            if self.done() or time.monotonic() > deadline:
+                request.cancel()
+                if not request.done() or request.cancelled():
+                    return {}
+            concurrent.futures.wait([request], AWAIT_POLL)
+        return request.result()
+
     def debug(self) -> None:
         """Open pdb, in the cell that calls this, on each rank of this background launch that
         waits in ``breakpoint()`` or ``input()`` (one after the other; the dashboard says
@@ -372,11 +430,13 @@ class Launch(concurrent.futures.Future[Any]):
         __tracebackhide__ = True
         relay = self.relay
         try:
-            served = relay.debug.serve_here(on_quit=self._stopping.set) if relay else 0
+            # stop(), not only its request: the rank's connection stays open until it is
+            # stopped, so nothing of its code runs after q or Stop (see serve_here).
+            served = relay.debug.serve_here(on_quit=self.stop) if relay else 0
         except KeyboardInterrupt:
             # The relay's frames, down to the kernel's input box, would only be noise here.
-            raise Interrupted(
-                "launch.debug() interrupted; the launch is stopping (launch.result() raises "
+            raise UserInterrupt(
+                "launch.debug() interrupted; the launch is stopped (launch.result() raises "
                 "LaunchStoppedError)"
             ) from None
         if not served:
@@ -398,22 +458,26 @@ class Launch(concurrent.futures.Future[Any]):
 
     @property
     def status(self) -> str:
-        """'starting', 'running', or how it ended: 'finished', 'failed', 'interrupted' (also
-        after ``stop()``), 'timed out'."""
+        """'starting', 'running', 'paused' (a rank waits in ``breakpoint()``/``input()``: see
+        ``debug()``), or how it ended: 'finished', 'failed', 'interrupted' (also after
+        ``stop()``), 'timed out'."""
         state = self.state
         if self.done():
             return str(state.outcome if state is not None and state.outcome else Outcome.FAILED)
+        if state is not None and any(r.status_text == "paused" for r in state.ranks.values()):
+            return "paused"
         if state is not None and any(r.status != Status.STARTING for r in state.ranks.values()):
             return "running"
         return "starting"
 
     @property
     def ranks(self) -> dict[int, str]:
-        """Each rank's status now ('starting', 'running', 'finished', 'failed', 'stopped')."""
+        """Each rank's status now ('starting', 'running', 'paused', 'finished', 'failed',
+        'stopped'), as the dashboard's status column says it."""
         state = self.state
         if state is None:
             return {s.rank: str(Status.STARTING) for s in self.plan.specs}
-        return {rank: str(s.status) for rank, s in sorted(state.ranks.items())}
+        return {rank: s.status_text for rank, s in sorted(state.ranks.items())}
 
     def metrics(self, rank: int = 0) -> list[dict[str, float]]:
         """What ``rank`` logged so far with ``nbaccel.log``/``Accelerator.log``, as samples:
@@ -430,4 +494,6 @@ class Launch(concurrent.futures.Future[Any]):
         elapsed = (
             f", {self.state.elapsed(time.monotonic()):.1f} s" if self.state is not None else ""
         )
-        return f"<nbaccel.Launch {self.status}: {ranks}{elapsed}>"
+        state = self.state
+        attempt = f" ({state.attempt_text()})" if state is not None and state.attempts > 1 else ""
+        return f"<nbaccel.Launch {self.status}{attempt}: {ranks}{elapsed}>"

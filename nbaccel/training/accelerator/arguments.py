@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from nbaccel.core.config import normalize_mixed_precision
-from nbaccel.training.options import (
+from nbaccel.training.kwargs_handlers import (
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -26,7 +26,7 @@ from nbaccel.training.options import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from nbaccel.training.random import check_rng_types
+from nbaccel.training.rng import check_rng_types
 
 _HANDLERS = {
     DistributedDataParallelKwargs: "ddp_handler",

@@ -9,7 +9,7 @@ torch's table), with ``name`` and ``failures`` filled in as torch elastic fills 
 that module loaded nothing here imports torch (the kernel does not load it for a launch).
 
 >>> from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
->>> from nbaccel.launch.errors import RankFailedError
+>>> from nbaccel.core.errors import RankFailedError
 >>> error = RankFailedError(1, 2, "raised ValueError: bad batch")
 >>> isinstance(error, ChildFailedError), type(error).__name__, str(error)
 (True, 'RankFailedError', 'rank 1 (of 2) raised ValueError: bad batch')

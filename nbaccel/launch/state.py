@@ -96,6 +96,8 @@ class LaunchInfo:
     line_prefix: str = DEFAULT_LINE_PREFIX  # torch elastic's log_line_prefix_template form
     # Where a cluster placed the ranks, as its Cluster.placement says it ("" on this machine)
     placement: str = ""
+    # N-D parallelism the launch asked for ("dp_shard 2 × tp 2"; "" for none)
+    parallelism: str = ""
 
     def label(self, rank: int) -> str:
         """The prefix of ``rank``'s output lines in text views.
@@ -112,7 +114,8 @@ class LaunchInfo:
         return (
             f"{self.num_processes} process{'es' if self.num_processes != 1 else ''} "
             f"on {self.device} ({self.backend}{machines}), mixed_precision={self.mixed_precision}, "
-            f"strategy={self.strategy}, {where}"
+            f"strategy={self.strategy}, {self.parallelism + ', ' if self.parallelism else ''}"
+            f"{where}"
         )
 
 
@@ -179,6 +182,17 @@ class RankState:
         (<RankStatus.RUNNING: 'running'>, <RankStatus.FINISHED: 'finished'>)
         """
         return FINISHED if self.status == RUNNING and self.ended_at is not None else self.status
+
+    @property
+    def status_text(self) -> str:
+        """The status column's word: :attr:`shown_status`, or ``paused`` while a running rank
+        waits in ``breakpoint()``/``input()`` for a person (it is not running meanwhile).
+
+        >>> r = RankState(0); r.move(RUNNING); r.paused = "breakpoint() at Cell In[4], line 9"
+        >>> r.status_text
+        'paused'
+        """
+        return "paused" if self.paused and self.shown_status == RUNNING else str(self.shown_status)
 
     def move(self, status: RankStatus, now: float | None = None) -> None:
         """Set the rank's status: the one place it changes. An end (finished, failed, stopped)
@@ -380,6 +394,9 @@ class LaunchState:
     # ranks are starting. Set by whoever waits, read by the views.
     waiting_for: str | None = None
     waiting_since: float | None = None
+    # Which attempt of a launch with restarts this is, from 1, of how many at most
+    attempt: int = 1
+    attempts: int = 1
 
     def elapsed(self, now: float) -> float:
         """Seconds since the launch started, to ``now`` or to its end.
@@ -398,6 +415,14 @@ class LaunchState:
         """
         since = self.started_at if self.waiting_since is None else self.waiting_since
         return max(0.0, now - since)
+
+    def attempt_text(self) -> str:
+        """Which attempt the views show, for a launch that may restart its ranks.
+
+        >>> LaunchState(None, {}, attempt=2, attempts=3).attempt_text()
+        'attempt 2 of 3'
+        """
+        return f"attempt {self.attempt} of {self.attempts}"
 
     def log_path(self, rank: int, stream: str) -> str | None:
         """The file with every byte ``rank`` wrote to ``stream`` (None before its folder exists).

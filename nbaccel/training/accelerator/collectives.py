@@ -19,7 +19,7 @@ from nbaccel.training import ops
 from nbaccel.training.accumulation import GradientState
 
 if TYPE_CHECKING:
-    from nbaccel.training.process import DistributedType
+    from nbaccel.training.distributed import DistributedType
 
 
 class ProcessFacts:
@@ -28,6 +28,11 @@ class ProcessFacts:
 
     _gs: GradientState  # the accumulation state; PartialState has one of its own
     flag_tensor: torch.Tensor | None  # set_trigger/check_trigger
+
+    def _data_parallel_ranks(self) -> list[int] | None:
+        """The ranks whose gathered samples count (None: all); an Accelerator with a
+        tensor-parallel mesh counts one rank per group (``accelerator.mesh``)."""
+        return None
 
     if TYPE_CHECKING:
 
@@ -113,7 +118,17 @@ class ProcessControl(ProcessFacts):
             as_objects = use_gather_object
         except TypeError:
             as_objects = True
-        gathered = ops.gather_object(input_data) if as_objects else ops.gather(input_data)
+        # With tensor parallelism the ranks of a group hold the same samples: count them once.
+        counted = self._data_parallel_ranks()
+        if counted is None:
+            gathered = ops.gather_object(input_data) if as_objects else ops.gather(input_data)
+        elif as_objects:
+            gathered = ops.gather_object(input_data if self.process_index in counted else [])
+        else:
+            world = self.num_processes
+            gathered = ops.recursively_apply(
+                lambda t: torch.cat([t.chunk(world)[i] for i in counted]), ops.gather(input_data)
+            )
         keep = self._gs.remainder if self._gs.end_of_dataloader else -1
         if keep <= 0:  # not the last step, or nothing padded (Accelerate's -1, 0)
             return gathered
