@@ -183,7 +183,8 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
 
 def notebook_url(lab: JupyterLab, name: str) -> str:
     """Where the frontend opens notebook ``name``."""
-    return lab.url(f"lab/tree/{name}" if lab.frontend == "lab" else f"notebooks/{name}")
+    # ?reset: JupyterLab opens only this notebook, not the tabs its workspace had open
+    return lab.url(f"lab/tree/{name}?reset" if lab.frontend == "lab" else f"notebooks/{name}")
 
 
 def open_notebook(page: Any, lab: JupyterLab, name: str) -> None:

@@ -95,14 +95,12 @@ class View(Protocol):
         """Complete lines a rank wrote to ``stream`` ("stdout" or "stderr")."""
 
     def partial(self, rank: int, stream: str, text: str) -> None:
-        """The rank's unfinished last line now ("" when there is none); optional for a view."""
+        """The rank's unfinished last line now ("" when there is none); optional for a view.
+        So is ``settle()``: show now every line held back (a rank paused, and what it printed
+        before must read above its pdb; a ``%%ranks`` cell's view holds bursts of lines)."""
 
     def update(self) -> None:
         """The state changed (progress, metrics, status); redraw if it is time to."""
-
-    def settle(self) -> None:
-        """Show now every line held back (a rank paused: what it printed before reads above
-        its pdb); optional for a view."""
 
     def finish(self) -> None:
         """The launch is over (any outcome): show the final summary."""

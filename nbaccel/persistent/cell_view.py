@@ -63,7 +63,7 @@ def reports_progress(state: LaunchState, now: float) -> bool:
     (counted without being asked) for ``LONG_CELL`` seconds. A short cell that stepped an
     optimizer once is no training run, and showed a table "optimizer steps: 0" and a summary.
 
-    >>> from nbaccel.ui.launch_state import RankState
+    >>> from nbaccel.launch.state import RankState
     >>> state = LaunchState(info=None, ranks={0: RankState(0)}, started_at=100.0)
     >>> state.ranks[0].on_progress(1, 1, None, STEP_BAR_DESC, 0.0, now=100.0)
     >>> reports_progress(state, now=101.0), reports_progress(state, now=100.0 + LONG_CELL)
