@@ -1,9 +1,12 @@
-"""Run JupyterLab on 127.0.0.1 and drive it with headless Chromium (Debian's, via Playwright).
+"""Run JupyterLab or Notebook 7 on 127.0.0.1 and drive it with headless Chromium (Debian's,
+via Playwright).
 
 Example::
 
     with JupyterLab(tmp_path) as lab, chromium_page() as page:
         page.goto(lab.url("lab/tree/test.ipynb"))
+    with JupyterLab(tmp_path, frontend="notebook") as nb7, chromium_page() as page:
+        run_all_cells(page, nb7, "test.ipynb")
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ def missing() -> str | None:
     """Why the browser tests cannot run here, or ``None``."""
     if not (Path(CHROMIUM).exists() or shutil.which("chromium")):
         return "Debian's chromium is not installed (apt-get install -y chromium)"
-    for module, package in (("playwright", "playwright"), ("jupyterlab", "jupyterlab")):
+    for module, package in (
+        ("playwright", "playwright"),
+        ("jupyterlab", "jupyterlab"),
+        ("notebook", "notebook"),
+    ):
         try:
             __import__(module)
         except ImportError:
@@ -48,9 +55,14 @@ def _free_port() -> int:
 
 
 class JupyterLab:
-    """A JupyterLab server in ``root``; on exit it, its kernels and their children are gone."""
+    """A JupyterLab server in ``root``; on exit it, its kernels and their children are gone.
+    ``frontend="notebook"``: Notebook 7's server instead (the same views, its own pages)."""
 
-    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, root: Path, env: dict[str, str] | None = None, frontend: str = "lab"
+    ) -> None:
+        assert frontend in ("lab", "notebook"), frontend
+        self.frontend = frontend
         self.root = root
         self.token = secrets.token_hex(16)
         self.port = _free_port()
@@ -72,17 +84,22 @@ class JupyterLab:
         settings.mkdir(parents=True, exist_ok=True)
         (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
         cmd = [
-            sys.executable, "-m", "jupyterlab",
+            sys.executable, "-m", "jupyterlab" if self.frontend == "lab" else "notebook",
             "--ServerApp.ip=127.0.0.1",
             f"--ServerApp.port={self.port}",
             "--ServerApp.port_retries=0",
             f"--IdentityProvider.token={self.token}",
             f"--ServerApp.root_dir={self.root}",
             "--ServerApp.open_browser=False",
-            "--LabApp.news_url=",
-            "--LabApp.expose_app_in_browser=True",  # lets the test run cells by command
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         ]  # fmt: skip
+        if self.frontend == "lab":
+            cmd += [
+                "--LabApp.news_url=",
+                "--LabApp.expose_app_in_browser=True",  # lets the test run cells by command
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            ]
+        else:
+            cmd += ["--JupyterNotebookApp.expose_app_in_browser=True"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")  # CI containers run as root
         self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in __exit__
@@ -164,14 +181,73 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
     return path
 
 
-def run_all_cells(page: Any, lab: JupyterLab, name: str) -> None:
-    """Open notebook ``name`` in JupyterLab, wait for its kernel, and start running every cell
-    (not awaited: the command's promise only settles once every cell has run)."""
-    page.goto(lab.url(f"lab/tree/{name}"))
+def notebook_url(lab: JupyterLab, name: str) -> str:
+    """Where the frontend opens notebook ``name``."""
+    # ?reset: JupyterLab opens only this notebook, not the tabs its workspace had open
+    return lab.url(f"lab/tree/{name}?reset" if lab.frontend == "lab" else f"notebooks/{name}")
+
+
+def open_notebook(page: Any, lab: JupyterLab, name: str) -> None:
+    """Open notebook ``name`` and wait until its cells are on the page (not its kernel)."""
+    page.goto(notebook_url(lab, name))
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
+
+
+def run_command(page: Any, command: str) -> None:
+    """Start one of the frontend's commands (e.g. ``docmanager:save``); not awaited."""
+    page.evaluate(f"() => {{ window.jupyterapp.commands.execute({command!r}); }}")
+
+
+def run_all_cells(page: Any, lab: JupyterLab, name: str) -> None:
+    """Open notebook ``name`` in the frontend, wait for its kernel, and start running every cell
+    (not awaited: the command's promise only settles once every cell has run)."""
+    open_notebook(page, lab, name)
     page.wait_for_function(
         "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
         " const k = w && w.sessionContext && w.sessionContext.session"
         " && w.sessionContext.session.kernel; return !!k && k.status === 'idle'; }"
     )
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    run_command(page, "notebook:run-all-cells")
+
+
+# The saved summary's first chart, as the page shows it: loaded (an image that decodes), its
+# SVG's text, and what the summary reads as text (where an inline <svg> was stripped, its
+# labels ran together in there: "loss10.0170step30rank 0rank 1").
+SAVED_CHART = """() => {
+    const summary = document.querySelector(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .nbaccel-summary');  // the notebook in view
+    const chart = summary && summary.querySelector('img.nbaccel-chart');
+    if (!chart || !chart.complete) return null;
+    return {width: chart.naturalWidth, svg: atob(chart.src.split(',')[1]),
+            text: summary.innerText, inlineSvg: summary.querySelectorAll('svg').length};
+}"""
+
+
+def save_and_wait(page: Any, path: Path, marker: str) -> dict[str, Any]:
+    """Save the open notebook and wait until the file at ``path`` holds ``marker``."""
+    import nbformat
+
+    before = path.stat().st_mtime_ns
+    run_command(page, "docmanager:save")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if path.stat().st_mtime_ns != before and marker in path.read_text():
+            return nbformat.read(path, as_version=4)
+        time.sleep(0.1)
+    raise TimeoutError(f"{path.name} was not saved with {marker!r} within 60 s")
+
+
+def as_sent_by_a_colleague(saved: dict[str, Any], path: Path) -> Path:
+    """The saved notebook as another person's copy: not trusted here (its signature is of
+    other content), so the frontend shows its HTML sanitized, as a colleague's notebook."""
+    import nbformat
+
+    saved.metadata["sent_by"] = "a colleague"
+    nbformat.write(saved, path)
+    return path
+
+
+def saved_chart(page: Any) -> dict[str, Any]:
+    """Wait for the saved summary's chart to load; what :data:`SAVED_CHART` says of it."""
+    page.wait_for_function(f"({SAVED_CHART})() && ({SAVED_CHART})().width > 0")
+    return page.evaluate(SAVED_CHART)

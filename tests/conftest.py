@@ -94,6 +94,7 @@ RUN_TOGETHER = {
     "tests/test_browser_background.py": "browser",
     "tests/test_browser_debug.py": "browser",
     "tests/test_browser_ranks.py": "browser",
+    "tests/test_browser_notebook7.py": "browser",
 }
 # The longest units (from a serial run's durations, longest first) are handed out first, so the
 # run does not end with one worker on a long file while the other idles. Only the order of the

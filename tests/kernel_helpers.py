@@ -88,6 +88,7 @@ class KernelSession:
         prefix: list[str] | None = None,
         ipc: str | None = None,
         background_shutdown: bool = False,
+        python: str | None = None,
     ) -> None:
         """``prefix`` runs the kernel below a command (e.g. ``ip netns exec NS``); ``ipc``, a
         path prefix, connects over Unix sockets instead of TCP (they reach into a network
@@ -98,11 +99,18 @@ class KernelSession:
         gone). Leaving the ``with`` shuts it down the same way, in a thread, so the next test
         need not wait for it (~0.2 s; tests/test_kernel_shutdown.py). Its pid stays exempt
         from the leftover check until it is gone, and the test session waits for it before it
-        ends (conftest)."""
+        ends (conftest).
+
+        ``python``: the kernel runs on that interpreter (another virtual environment's), in its
+        own folder and without this checkout on its path, so it imports what was installed
+        there."""
         if ipc:
             self.manager = KernelManager(kernel_name="python3", transport="ipc", ip=ipc)
         else:
             self.manager = KernelManager(kernel_name="python3")
+        self._python = python
+        if python:
+            self.manager.kernel_spec.argv[0] = python
         if prefix:
             import sys
 
@@ -121,8 +129,14 @@ class KernelSession:
     def __enter__(self) -> KernelSession:
         env = {**os.environ, **self._env}
         env.pop("NBACCEL_NO_WARMUP", None)  # the kernel behaves as a user's would
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
-        self.manager.start_kernel(env=env)
+        if self._python:
+            env.pop("PYTHONPATH", None)
+            self.manager.start_kernel(env=env, cwd=os.path.dirname(self._python))
+        else:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in [os.getcwd(), env.get("PYTHONPATH")] if p
+            )
+            self.manager.start_kernel(env=env)
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=120)

@@ -204,6 +204,18 @@ def test_dashboard_and_config_panel_in_jupyterlab(tmp_path):
             show(page, stderr)
             bh.screenshot(page, "failure")
             assert page.locator(".nbaccel-live").count() == 0  # every live widget gave way
+
+            # Saved, then opened as a colleague's copy (not trusted): the summary's chart is
+            # still a chart (it was loose text: an inline <svg> is stripped there).
+            saved = bh.save_and_wait(page, tmp_path / "launch.ipynb", "nbaccel-summary")
+            bh.as_sent_by_a_colleague(saved, tmp_path / "colleague.ipynb")
+            bh.open_notebook(page, lab, "colleague.ipynb")
+            chart = bh.saved_chart(page)
+            assert chart["inlineSvg"] == 0 and ">399</text>" in chart["svg"], chart
+            assert "rank 0rank 1" not in chart["text"], chart["text"]
+            shown = ".jp-NotebookPanel:not(.lm-mod-hidden) .nbaccel-summary tr[data-status]"
+            assert page.locator(shown).count() == 0  # untrusted: data- attributes stripped
+            bh.screenshot(page, "untrusted-summary")
         except Exception:
             bh.screenshot(page, "failure-of-the-test")
             raise

@@ -30,7 +30,10 @@ pytestmark = pytest.mark.slow  # real ranks
 def record(directory: str, pid: int) -> None:
     """Write ``pid`` and its start time where the test will look for it."""
     created = psutil.Process(pid).create_time()
-    Path(directory, f"{pid}.pid").write_text(repr(created))
+    # Written whole or not at all: a process stopped mid-write leaves no empty .pid file.
+    partial = Path(directory, f"{pid}.partial")
+    partial.write_text(repr(created))
+    partial.replace(Path(directory, f"{pid}.pid"))
 
 
 def running(directory: Path) -> list[tuple[int, str]]:
@@ -151,6 +154,10 @@ def rank_1_dies_beside_a_forked_child(directory):
     while not Path(directory, f"{child.pid}.pid").exists():
         time.sleep(0.01)
     if os.environ["RANK"] == "1":
+        # Dies only once rank 0's child has recorded itself too: rank 1's death stops rank 0,
+        # and a rank 0 stopped earlier took its child with it unrecorded (the test then found 1).
+        while len(list(Path(directory).glob("*.pid"))) < 2:
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(1000)
 

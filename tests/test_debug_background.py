@@ -4,6 +4,7 @@ channel as a frontend does)."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -64,9 +65,14 @@ def test_launch_debug_opens_a_paused_ranks_pdb_in_the_calling_cell(kernel):
     answer, prompts = typed("p values", "c")
     served = kernel.execute("launch.debug()", answer=answer)
     assert served.error is None, served.error_text
-    assert prompts == ["(Pdb rank 1) "] * 2
+    assert prompts == ["(Pdb rank 1)"] * 2
     assert "[1, 5]" in served.stdout
-    assert served.results[-1]["text/plain"] == "1"
+    # The banner names the line pdb shows (the one after breakpoint()), not breakpoint()'s own.
+    (paused_at,) = re.findall(
+        r"paused in breakpoint\(\) at (Cell In\[\d+\], line \d+)", started.stdout
+    )
+    assert f"{paused_at}, in train()" in served.stdout, (paused_at, served.stdout)
+    assert served.results == []  # no "Out: 1" (how many ranks were served) under the pdb
     result = kernel.execute("launch.result(timeout=30)")
     assert result.error is None, result.error_text
     assert result.results[-1]["text/plain"] == "5"
@@ -92,8 +98,8 @@ def test_stop_at_the_prompt_of_launch_debug_stops_the_launch_without_nbaccels_fr
     cell = kernel.execute("launch.debug()", answer=stop)
     assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt"
     assert "the launch is stopped" in cell.error_text, cell.error_text
-    # (IPython shows the frame that raised, launch.debug's, as for a blocking launch's Stop)
     text = cell.error_text
     assert "debugging.py" not in text and "kernelbase.py" not in text, text  # their frames
+    assert len(cell.error["traceback"]) == 1, text  # nor launch.debug's own frame
     result = kernel.execute("launch.result(timeout=30)")
     assert result.error is not None and result.error["ename"] == "LaunchStoppedError"

@@ -74,7 +74,7 @@ def test_breakpoint_on_rank_1_opens_pdb_in_the_cell(kernel):
         answer=typist,
     )
     assert result.error is None, result.error_text
-    assert typist.prompts == ["(Pdb rank 1) "] * 7  # the prompt names the rank
+    assert typist.prompts == ["(Pdb rank 1)"] * 7  # the prompt names the rank
     out = result.stdout
     assert "[3, 4, 1]" in out  # `p` of the rank's local
     assert "103" in out  # after `n`: the appended element, on the rank's real list
@@ -110,7 +110,7 @@ def test_input_in_a_rank_reads_a_line_from_the_notebook(kernel):
         answer=typist,
     )
     assert result.error is None, result.error_text
-    assert sorted(typist.prompts) == ["[rank 0] name? ", "[rank 1] name? "]
+    assert sorted(typist.prompts) == ["[rank 0] name?", "[rank 1] name?"]
     assert sorted(eval(result.results[-1]["text/plain"])) == ["ADA", "GRACE"]
 
 
@@ -129,9 +129,12 @@ def test_q_at_the_prompt_stops_the_launch_and_every_rank(kernel):
         """),
         answer=typist,
     )
-    assert typist.prompts == ["(Pdb rank 1) "]
+    assert typist.prompts == ["(Pdb rank 1)"]
     assert result.error is not None and result.error["ename"] == "KeyboardInterrupt"
     assert "all 2 ranks were stopped" in result.error_text
+    assert result.error["traceback"] == [
+        "KeyboardInterrupt: launch interrupted; all 2 ranks were stopped"
+    ]  # not Launch._attempt's frame, nor its source lines
     assert "ran on after q" not in result.stdout
     pids = rank_pids(result.stdout)
     assert len(pids) == 2
@@ -175,7 +178,7 @@ def test_kernel_shut_down_at_the_prompt_leaves_nothing_running():
     with KernelSession(env={"NBACCEL_VIEW": "text"}, startup="import nbaccel, os, time") as k:
         k.client.execute(code, allow_stdin=True)
         request = k.client.get_stdin_msg(timeout=120)
-        assert request["content"]["prompt"] == "(Pdb rank 1) "
+        assert request["content"]["prompt"] == "(Pdb rank 1)"
         k.drain_iopub(0.5)
         text = "".join(
             m["content"].get("text", "") for m in k.other_messages if m["msg_type"] == "stream"
@@ -268,6 +271,6 @@ def test_two_ranks_that_pause_are_served_one_after_the_other(kernel):
     # Each rank's prompt twice in a row: one conversation at a time, never interleaved.
     first, second = typist.prompts[0], typist.prompts[2]
     assert typist.prompts == [first, first, second, second]
-    assert {first, second} == {"(Pdb rank 0) ", "(Pdb rank 1) "}
+    assert {first, second} == {"(Pdb rank 0)", "(Pdb rank 1)"}
     assert "'rank 0's value'" in result.stdout.replace('"', "'")
     assert result.results[-1]["text/plain"] == '["rank 0\'s value", "rank 1\'s value"]'

@@ -31,7 +31,7 @@ def test_breakpoint_in_a_ranks_cell_opens_pdb_in_the_cell(ranks):
         "%%ranks --rank 1\nx = [1, 2]\nbreakpoint()\ny = len(x)\nprint('y is', y)", answer=answer
     )
     assert cell.error is None, cell.error_text
-    assert prompts == ["(Pdb rank 1) "] * 3
+    assert prompts == ["(Pdb rank 1)"] * 3
     assert "[1, 2]" in cell.stdout
     assert "y is 3" in cell.stdout  # the rank ran on with the list changed at the prompt
     assert ranks.execute("%%ranks --rank 1\nprint(x)").stdout.count("[1, 2, 5]") == 1
@@ -50,7 +50,7 @@ def test_debug_after_a_cell_error_enters_the_failing_ranks_real_frames(ranks):
     answer, prompts = typed("p key", "u", "p seen", "seen['fixed'] = True", "q")
     cell = ranks.execute("%debug", answer=answer)
     assert cell.error is None, cell.error_text
-    assert prompts[0] == "(Pdb rank 1) "
+    assert prompts[0] == "(Pdb rank 1)"
     assert "'missing'" in cell.stdout
     assert "{'rank': 1}" in cell.stdout
     # Real frames: what was assigned at the prompt is in the rank's namespace.
@@ -80,6 +80,8 @@ def stop_at_first_prompt(kernel, later: str):
 def assert_interrupted_and_alive(ranks, cell) -> None:
     assert cell.error is not None and cell.error["ename"] == "KeyboardInterrupt", cell.error_text
     assert "the ranks are alive" in cell.error_text, cell.error_text
+    # One line: not nbaccel's frames (cell.py, magics.py) nor the cell's run_cell_magic call.
+    assert len(cell.error["traceback"]) == 1, cell.error_text
     after = ranks.execute("%%ranks\nkept")  # the ranks lived on, with their state
     assert "[rank0] Out: 'state'" in after.stdout, after.error_text
     assert "[rank1] Out: 'state'" in after.stdout, after.error_text
@@ -133,3 +135,17 @@ def test_q_or_stop_runs_no_code_of_the_cell_after_it_whatever_the_except(ranks, 
     assert_interrupted_and_alive(ranks, cell)
     after = ranks.execute("%%ranks --rank 1\nran_on")
     assert "Out: []" in after.stdout, after.stdout
+
+
+def test_what_a_rank_printed_before_its_breakpoint_reads_above_its_pdb(ranks):
+    """A ``%%ranks`` cell holds each rank's burst of lines a moment (so two ranks' blocks do not
+    interleave); pdb's header was printed past them, above what the rank had printed first."""
+    answer, _ = typed("c")
+    cell = ranks.execute(
+        "%%ranks --rank 1\nprint('before the breakpoint')\nbreakpoint()\nz = 1", answer=answer
+    )
+    assert cell.error is None, cell.error_text
+    lines = cell.stdout.splitlines()
+    printed = lines.index("[rank1] before the breakpoint")
+    header = next(i for i, line in enumerate(lines) if line.startswith("> "))
+    assert printed < header, cell.stdout

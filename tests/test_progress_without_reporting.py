@@ -135,3 +135,22 @@ def test_metrics_logged_once_an_epoch_arrive_with_the_progress_not_an_epoch_late
     view = MetricsWatchingView()
     nbaccel.notebook_launcher(short_epochs_then_a_long_evaluation, num_processes=1, view=view)
     assert view.samples_during_eval == 2  # the chart had the second epoch while eval ran
+
+
+def sixty_steps_logged_without_step():
+    import time
+
+    for i in range(60):
+        nbaccel.log({"loss": 1.0 / (i + 1)})
+        time.sleep(0.01)
+    return 0
+
+
+def test_a_loop_logging_without_step_is_charted_to_its_last_step():
+    """Values are sent sampled; the kernel numbered the samples that arrived, so a 60-step loop
+    that logged without ``step=`` was charted as if it ended at step 30 (or fewer)."""
+    view = WatchingView()
+    nbaccel.notebook_launcher(sixty_steps_logged_without_step, num_processes=1, view=view)
+    history = view.state.ranks[0].history
+    assert history[-1] == (59, {"loss": 1.0 / 60}), history
+    assert [step for step, _ in history] == sorted({step for step, _ in history}), history

@@ -200,6 +200,11 @@ def test_half_done_collective_breaks_the_group_without_hanging(ranks):
     assert _gone(pids)
     cell = ranks.execute("%%ranks\n1")
     assert "broken" in cell.error_text  # until started again
+    # %ranks stop on them said nothing at all: it says they had already ended, and why.
+    cell = ranks.execute("%ranks stop")
+    assert cell.error is None, cell.error_text
+    assert cell.stdout.startswith("nbaccel: no ranks to stop: they were stopped when they broke")
+    assert "%ranks start" in cell.stdout, cell.stdout
     cell = ranks.execute("%ranks start -n 2")
     assert cell.error is None, cell.error_text
 

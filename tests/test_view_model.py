@@ -427,3 +427,23 @@ def test_a_ranks_cell_keeps_each_ranks_burst_of_lines_together(capsys):
     view.output(1, "stdout", ["last words"])
     view.finish()  # the cell ended: nothing is held back
     assert capsys.readouterr().out == "[rank1] last words\n"
+
+
+def test_a_short_ranks_cell_that_stepped_an_optimizer_shows_no_table_or_summary(capsys):
+    """Notebook 05's ``%%ranks`` cell with one ``opt.step()`` showed, in JupyterLab, a table
+    "optimizer steps: 0" and "finished in 0.0 s", which docs/ranks.md promises only for cells
+    that report progress or ran 10 s or more."""
+    from nbaccel.persistent.cell_view import CellView
+    from nbaccel.rank.reporting import STEP_BAR_DESC
+
+    state = make_state(2, t0=time.monotonic())
+    view = CellView(widgets=True)
+    view.start(state)
+    for rank in (0, 1):
+        state.ranks[rank].on_progress(1, 1, None, STEP_BAR_DESC, 0.0)
+        state.ranks[rank].status = RankStatus.FINISHED
+    view.update()
+    state.ended_at = time.monotonic()
+    view.finish()
+    assert view._dashboard is None
+    assert capsys.readouterr().out == ""

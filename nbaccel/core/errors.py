@@ -11,6 +11,27 @@ class UsageError(Exception):
     """A command-line flag or file cannot work; nothing was started. The message says why."""
 
 
+class UserInterrupt(KeyboardInterrupt):
+    """Stop, Ctrl-C or pdb's ``q`` ended a launch or a ``%%ranks`` cell; the message says what
+    was stopped and what lives on. A ``KeyboardInterrupt`` as the notebook names it (``ename``),
+    shown as that one line: the frames under it (``Launch._attempt``, the magic, the cell's
+    ``get_ipython().run_cell_magic(...)``) are nbaccel's, not the user's.
+
+    >>> UserInterrupt("launch interrupted; all 2 ranks were stopped")._render_traceback_()
+    ['KeyboardInterrupt: launch interrupted; all 2 ranks were stopped']
+    >>> isinstance(UserInterrupt(), KeyboardInterrupt), type(UserInterrupt()).__name__
+    (True, 'KeyboardInterrupt')
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows instead of a traceback."""
+        return [f"KeyboardInterrupt: {self}"]
+
+
+# What a notebook's error names (ipykernel's ename, IPython's header): what was pressed.
+UserInterrupt.__name__ = UserInterrupt.__qualname__ = "KeyboardInterrupt"
+
+
 class LaunchError(RuntimeError):
     """Base class for a launch that did not finish normally.
 

@@ -15,7 +15,12 @@ from collections.abc import Callable
 
 from nbaccel.core import mp_internals
 from nbaccel.core.containment import sigint_deferred
-from nbaccel.core.errors import LaunchStoppedError, LaunchTimeoutError, RankFailedError
+from nbaccel.core.errors import (
+    LaunchStoppedError,
+    LaunchTimeoutError,
+    RankFailedError,
+    UserInterrupt,
+)
 from nbaccel.core.local_traceback import with_cell_names
 from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit
@@ -176,7 +181,7 @@ class Attempts:
         except KeyboardInterrupt:
             # Every rank is stopped and reaped by now; the loop's frames would only be noise.
             n = len(self.plan.specs)
-            raise KeyboardInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
+            raise UserInterrupt(f"launch interrupted; all {n} ranks were stopped") from None
 
     def new_lifecycle(self, restart: int = 0) -> RankLifecycle:
         """The ranks of the attempt after ``restart`` restarts, with a fresh view."""

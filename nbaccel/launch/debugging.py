@@ -62,6 +62,13 @@ def cell_labels() -> dict[str, str]:
     return labels
 
 
+def _jupyter_echoes_a_space() -> bool:
+    """Whether ``input`` is ipykernel's, whose frontends (JupyterLab, Notebook 7) show an answer
+    as the prompt, a space and the answer: pdb's ``"(Pdb rank 1) "`` read ``(Pdb rank 1)  p x``."""
+    owner = getattr(builtins.input, "__self__", None)
+    return type(owner).__module__.startswith("ipykernel.")
+
+
 def can_prompt() -> bool:
     """Whether this thread may ask the notebook for a line: only the kernel's main thread runs
     a cell whose ``input()`` the frontend answers."""
@@ -225,6 +232,8 @@ class Debugging:
 
     @staticmethod
     def _ask(prompt: str) -> tuple[str, ...]:
+        if _jupyter_echoes_a_space():
+            prompt = prompt.removesuffix(" ")
         try:
             return ("line", builtins.input(prompt))
         except EOFError:

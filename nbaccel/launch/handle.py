@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Any
 
 from nbaccel.core import shared_tensors
+from nbaccel.core.errors import UserInterrupt
 from nbaccel.launch.attempts import Attempts
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import LaunchOptions
@@ -254,26 +255,27 @@ class Launch(concurrent.futures.Future[Any]):
             concurrent.futures.wait([request], AWAIT_POLL)
         return request.result()
 
-    def debug(self) -> int:
+    def debug(self) -> None:
         """Open pdb, in the cell that calls this, on each rank of this background launch that
         waits in ``breakpoint()`` or ``input()`` (one after the other; the dashboard says
         "rank 1 paused in ..."). ``q`` or Ctrl-C at the prompt stops the launch, as ``stop()``
-        does. Returns how many ranks were served (0: none was paused).
+        does. Says so where no rank was paused. Returns nothing: a cell ending in
+        ``launch.debug()`` shows no ``Out:`` under the conversation.
         """
         __tracebackhide__ = True
         relay = self.relay
-        if relay is None:
-            return 0
         try:
             # stop(), not only its request: the rank's connection stays open until it is
             # stopped, so nothing of its code runs after q or Stop (see serve_here).
-            return relay.debug.serve_here(on_quit=self.stop)
+            served = relay.debug.serve_here(on_quit=self.stop) if relay else 0
         except KeyboardInterrupt:
             # The relay's frames, down to the kernel's input box, would only be noise here.
-            raise KeyboardInterrupt(
+            raise UserInterrupt(
                 "launch.debug() interrupted; the launch is stopped (launch.result() raises "
                 "LaunchStoppedError)"
             ) from None
+        if not served:
+            print(f"launch.debug(): no rank is paused (the launch is {self.status})")
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._ended().__await__()

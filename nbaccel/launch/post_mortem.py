@@ -127,7 +127,10 @@ def _code(record: snapshot.FrameRecord, last: bool) -> Any:
     first = min(record.first_line, record.line)
     body = f"raise {_RAISE}" if last else f"{_NEXT}()"
     code = compile("\n" * (record.line - first) + body, record.file, "exec")
-    return code.replace(co_name=record.function, co_qualname=record.function, co_firstlineno=first)
+    code = code.replace(co_name=record.function, co_firstlineno=first)
+    if sys.version_info >= (3, 11):  # 3.10's code objects have no qualified name (TypeError)
+        code = code.replace(co_qualname=record.function)
+    return code
 
 
 def _locals(record: snapshot.FrameRecord) -> dict[str, Any]:

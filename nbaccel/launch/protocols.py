@@ -307,7 +307,9 @@ class View(Protocol):
         """Complete lines a rank wrote to ``stream`` ("stdout" or "stderr")."""
 
     def partial(self, rank: int, stream: str, text: str) -> None:
-        """The rank's unfinished last line now ("" when there is none); optional for a view."""
+        """The rank's unfinished last line now ("" when there is none); optional for a view.
+        So is ``settle()``: show now every line held back (a rank paused, and what it printed
+        before must read above its pdb; a ``%%ranks`` cell's view holds bursts of lines)."""
 
     def update(self) -> None:
         """The state changed (progress, metrics, status); redraw if it is time to."""

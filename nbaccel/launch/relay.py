@@ -201,6 +201,8 @@ class Relay:
         for stream in ("stdout", "stderr"):
             while self.read(r, stream):
                 pass
+        if hasattr(self.view, "settle"):  # a %%ranks cell holds each rank's burst of lines
+            self.view.settle()
         self.debug.on_paused(event, lambda fd: self.watch(fd, (r, "debug")))
 
     def answer_debugger(self, r: RankHandle) -> None:

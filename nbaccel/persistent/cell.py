@@ -24,7 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from nbaccel.core.containment import sigint_deferred
-from nbaccel.core.errors import LaunchError, LaunchTimeoutError, RankFailedError, load_exception
+from nbaccel.core.errors import (
+    LaunchError,
+    LaunchTimeoutError,
+    RankFailedError,
+    UserInterrupt,
+    load_exception,
+)
 from nbaccel.core.local_traceback import name_cell, with_cell_names
 from nbaccel.launch import failures, loop
 from nbaccel.launch.failures import describe_exit, describe_raise
@@ -282,7 +288,7 @@ class CellJob:
             raise CellTimeoutError(self.timeout or 0.0, sorted(self.stacks), self.stacks)
         if self.interrupted_at is not None or any(d.interrupted for d in self.done.values()):
             ranks = ", ".join(str(r) for r in self.ranks)
-            raise KeyboardInterrupt(
+            raise UserInterrupt(
                 f"cell interrupted on rank {ranks}; the ranks are alive and keep their state"
             )
         failed = [d for d in self.done.values() if d.failure is not None]

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nbaccel.launch.state import RUNNING, LaunchState
+from nbaccel.rank.reporting import STEP_BAR_DESC
 from nbaccel.ui.formats import format_bytes, format_seconds
 from nbaccel.ui.text import TextView
 
@@ -55,6 +56,23 @@ def cell_status(state: LaunchState, now: float) -> str:
     if state.longest_stall:
         text += f" · stalled for up to {format_seconds(state.longest_stall)}"
     return text
+
+
+def reports_progress(state: LaunchState, now: float) -> bool:
+    """Whether a cell's ranks report progress: bars or metrics of their own, or optimizer steps
+    (counted without being asked) for ``LONG_CELL`` seconds. A short cell that stepped an
+    optimizer once is no training run, and showed a table "optimizer steps: 0" and a summary.
+
+    >>> from nbaccel.launch.state import RankState
+    >>> state = LaunchState(info=None, ranks={0: RankState(0)}, started_at=100.0)
+    >>> state.ranks[0].on_progress(1, 1, None, STEP_BAR_DESC, 0.0, now=100.0)
+    >>> reports_progress(state, now=101.0), reports_progress(state, now=100.0 + LONG_CELL)
+    (False, True)
+    """
+    ranks = state.ranks.values()
+    if any(r.metrics or any(b.desc != STEP_BAR_DESC for b in r.bars.values()) for r in ranks):
+        return True
+    return any(r.bars for r in ranks) and state.elapsed(now) >= LONG_CELL
 
 
 class CellView(TextView):
@@ -105,7 +123,7 @@ class CellView(TextView):
         state = self._state
         if state is None or not self._widgets:
             return
-        if self._dashboard is None and any(r.bars or r.metrics for r in state.ranks.values()):
+        if self._dashboard is None and reports_progress(state, time.monotonic()):
             try:
                 from nbaccel.ui.dashboard import Dashboard
 
@@ -117,6 +135,11 @@ class CellView(TextView):
             self._dashboard = dashboard
         if self._dashboard is not None:
             self._dashboard.update()
+
+    def settle(self) -> None:
+        """A rank paused: its lines, and the others', read before the pdb that follows."""
+        self._release(None)
+        self._flush()
 
     def finish(self) -> None:
         self._sync()

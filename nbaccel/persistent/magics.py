@@ -162,10 +162,19 @@ class RanksMagics(Magics):
         print("ready")
 
     def _cmd_stop(self, words: list[str]) -> None:
-        if self.session is not None and self.session.started:
-            n = self.session.world_size
-            self.session.stop()
+        session = self.session
+        if session is not None and session.started:
+            n = session.world_size
+            session.stop()
             print(f"nbaccel: {n} ranks stopped")
+        elif session is not None and session.broken:  # stopped already, by what broke them
+            print(
+                f"nbaccel: no ranks to stop: they were stopped when they broke ({session.broken});"
+                " `%ranks start` starts fresh ones"
+            )
+            session.stop()  # the session is now simply not running
+        else:
+            print("nbaccel: no ranks to stop (none are running)")
         self.auto = False
 
     def _cmd_status(self, words: list[str]) -> Any:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from nbaccel.core import pickling
 from nbaccel.core.containment import sigint_deferred
-from nbaccel.core.errors import RankFailedError
+from nbaccel.core.errors import RankFailedError, UserInterrupt
 from nbaccel.core.local_traceback import is_nbaccel_file
 from nbaccel.launch.lifecycle import RankLifecycle
 from nbaccel.launch.options import UNSET, LaunchOptions
@@ -218,7 +218,7 @@ class Ranks:
             # Whatever phase it hit (a cell-interrupt message says the ranks live on), the
             # start is abandoned: nothing of it is left.
             self._shutdown(grace=0)
-            raise KeyboardInterrupt(
+            raise UserInterrupt(
                 "%ranks start interrupted; the ranks that had started were stopped"
             ) from None
         except BaseException:

@@ -363,13 +363,17 @@ class RankPdb(pdb.Pdb):
         self.use_rawinput = False
         self.prompt = f"(Pdb rank {console.rank}) "
         self._top: FrameType | None = None
+        self._reason = "breakpoint()"  # what the views say the rank paused in
         self._let_go = False  # q answered without this rank being stopped
 
     def start(self, frame: FrameType, reason: str = "breakpoint()") -> None:
-        """Stop at the line after ``frame``'s current one, as ``pdb.set_trace`` does."""
+        """Stop at the line after ``frame``'s current one, as ``pdb.set_trace`` does. The kernel
+        is told where only once pdb stops (``interaction``): the line pdb shows, not the line of
+        the ``breakpoint()`` call before it (the banner said line 9 while pdb showed line 10)."""
         with self.console.turn:
-            if not self.console.is_open and not self.console.open(reason, frame):
+            if not self.console.is_open and not self.console.available():
                 return
+            self._reason = reason
             self._top = user_top(frame)
             self.set_trace(frame)
             if self._top is not None:
@@ -380,7 +384,8 @@ class RankPdb(pdb.Pdb):
     def interaction(self, frame: FrameType | None, traceback: Any) -> None:
         with self.console.turn:
             if not self.console.is_open and frame is not None:
-                self.console.open("breakpoint()", frame)  # a breakpoint set with `b`
+                # the first stop after start(), or a breakpoint set with `b`
+                self.console.open(self._reason, frame)
             if not self.console.is_open:
                 return
             super().interaction(frame, traceback)

@@ -40,6 +40,10 @@ _bar_ids = itertools.count()
 _backlog: collections.deque[events.Metrics] = collections.deque(maxlen=_MAX_BACKLOG)
 _pending: dict[str, tuple[int | None, Any]] = {}  # name -> latest (step, value) not yet sent
 _metrics_seen_tick = -1  # the tick at which metrics were last sent
+# log() calls so far in this rank: the step of a call without step= (W&B counts so). Values
+# are sent sampled, so the kernel cannot count the calls itself: a 60-step loop's chart ended
+# at step 30 when it numbered what arrived.
+_log_calls = [0]
 
 # Advanced by the ticker thread every EMIT_INTERVAL (a list so hot loops read it without a global
 # lookup); started by the first bar or log() under a launch, again in a forked child.
@@ -340,7 +344,7 @@ def log(values: dict[str, Any], step: int | None = None) -> None:
     would wait for the GPU), and sending never waits for a busy kernel. NaN values are dropped.
 
     In a training loop: ``nbaccel.log({"loss": loss, "lr": scheduler.get_last_lr()[0]},
-    step=step)``. What a background launch recorded, as ``launch.metrics()`` returns it:
+    step=step)``; without ``step=`` a call's step is how many calls came before it on this rank. What a background launch recorded, as ``launch.metrics()`` returns it:
 
     >>> import nbaccel
     >>> def train():
@@ -359,6 +363,9 @@ def log(values: dict[str, Any], step: int | None = None) -> None:
     if type(values) is not dict and not isinstance(values, dict):
         raise TypeError(f"log() takes a dict of name -> number, got {type(values).__name__}.")
     kinds, pending = _kinds, _pending
+    if step is None:
+        step = _log_calls[0]
+    _log_calls[0] += 1
     for name, value in values.items():
         kind = kinds.get(type(value))
         if kind is _TENSOR:

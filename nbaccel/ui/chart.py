@@ -1,11 +1,13 @@
-"""Line charts of logged metrics as inline SVG: one small chart per metric, one line per rank.
+"""Line charts of logged metrics as SVG: one small chart per metric, one line per rank.
 
-Plain SVG inside an HTML widget renders in every widget frontend (JupyterLab, VS Code, Colab)
-and in a saved notebook, with no plotting library in the kernel.
+Plain SVG inside an HTML widget renders in every widget frontend (JupyterLab, VS Code, Colab),
+with no plotting library in the kernel; what a saved notebook keeps has each chart as an image
+(``images=True``), which a notebook that is not trusted shows too.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 from collections.abc import Sequence
@@ -154,18 +156,38 @@ def metric_names(histories: dict[int, Sequence[tuple[int, dict[str, float]]]]) -
     return sorted(names, key=lambda n: n != "loss")  # stable: the rest keep their order
 
 
+def as_image(svg: str, title: str) -> str:
+    """``svg`` as an ``<img>`` of a ``data:`` URI: what a notebook that is not trusted still
+    shows (JupyterLab and Notebook 7 strip inline ``<svg>`` from its HTML, leaving the
+    labels as loose text, "loss10.0170step30rank 0rank 1"). In an image ``currentColor`` is
+    black whatever the theme: its text takes a grey that reads on light and dark alike.
+
+    >>> as_image(line_chart("loss", {0: [(0, 1.0), (1, 0.5)]}), "loss")[:60]
+    "<img class='nbaccel-chart' alt='loss by step, per rank' src="
+    """
+    data = base64.b64encode(svg.replace("currentColor", "#6e7781").encode()).decode()
+    return (
+        f"<img class='nbaccel-chart' alt='{html.escape(title)} by step, per rank' "
+        f"src='data:image/svg+xml;base64,{data}'/>"
+    )
+
+
 def metrics_charts(
-    histories: dict[int, Sequence[tuple[int, dict[str, float]]]], limit: int = 3
+    histories: dict[int, Sequence[tuple[int, dict[str, float]]]],
+    limit: int = 3,
+    images: bool = False,
 ) -> str:
     """Charts of up to ``limit`` metrics (``loss`` first), side by side; "" when nothing was
-    logged. ``histories`` maps a rank to its ``(step, {name: value})`` entries."""
+    logged. ``histories`` maps a rank to its ``(step, {name: value})`` entries; ``images``:
+    each chart an ``<img>`` (:func:`as_image`), for what a saved notebook keeps."""
     charts = []
     for name in metric_names(histories)[:limit]:
         series = {
             rank: [(float(step), float(v[name])) for step, v in history if name in v]
             for rank, history in histories.items()
         }
-        charts.append(line_chart(name, series))
+        chart = line_chart(name, series)
+        charts.append(as_image(chart, name) if images else chart)
     if not charts:
         return ""
     return f"<div style='display:flex;flex-wrap:wrap;gap:8px'>{''.join(charts)}</div>"

@@ -412,7 +412,7 @@ def summary_html(
     if charts:
         from nbaccel.ui.chart import metrics_charts
 
-        after += metrics_charts({r.rank: r.history for r in state.ranks.values()})
+        after += metrics_charts({r.rank: r.history for r in state.ranks.values()}, images=True)
     after += "".join(
         output_html(
             rank, tail, state.info.label(rank), _all_in(state, rank, (dropped or {}).get(rank, 0))
