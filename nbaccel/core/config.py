@@ -3,11 +3,14 @@
 The notebook config panel, ``notebook_launcher(config=...)`` and the ``nbaccel`` command line all
 use this file, so a setting chosen once is the same everywhere.
 
+>>> import tempfile
+>>> folder = tempfile.TemporaryDirectory()
 >>> cfg = LaunchConfig(num_processes=2, mixed_precision="bf16")
->>> cfg.save("/tmp/nbaccel-example.yaml")             # doctest: +ELLIPSIS
+>>> cfg.save(f"{folder.name}/nbaccel.yaml")             # doctest: +ELLIPSIS
 PosixPath(...)
->>> LaunchConfig.load("/tmp/nbaccel-example.yaml").mixed_precision
+>>> LaunchConfig.load(f"{folder.name}/nbaccel.yaml").mixed_precision
 'bf16'
+>>> folder.cleanup()
 """
 
 from __future__ import annotations
