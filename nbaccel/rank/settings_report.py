@@ -7,7 +7,8 @@ Accelerate's shared state when a progress bar starts (the Trainer's, after it ma
 Accelerator) and when the function ends. Accelerate is never imported here: in a rank that did
 not import it there is nothing to read.
 
->>> accelerate_settings() is None or len(accelerate_settings())  # precision, strategy, ...
+>>> found = accelerate_settings()  # None where Accelerate made no Accelerator in this process
+>>> found is None or len(found) == 4  # precision, strategy, device, accumulation steps
 True
 """
 

@@ -475,6 +475,12 @@ def check_device_map(model: nn.Module, device_map: dict[str, Device]) -> None:
 
     >>> check_device_map(torch.nn.Linear(2, 2), {"": "cpu"})
     """
+    if not isinstance(device_map, dict):  # "auto", "balanced", ...: a strategy, not a map
+        raise ValueError(
+            f"device_map={device_map!r} names a way to make a device map, not a map: pass a "
+            "dict of module name to device, e.g. infer_auto_device_map(model, max_memory=...), "
+            f"or load with load_checkpoint_and_dispatch(model, checkpoint, device_map={device_map!r})."
+        )
     names = [n for n, _ in named_tensors(model, remove_duplicate=False)]
     missing = [n for n in names if _entry(n, device_map) is None]
     if missing:
